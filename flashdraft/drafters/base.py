@@ -1,0 +1,66 @@
+"""The drafter interface shared by every drafting method.
+
+Positions (one sequence): ``tokens[0..L-1]`` are committed; the last one is the *anchor*
+(the bonus token of the previous verify, not yet run through the target). The drafter's
+*context* is positions ``0..L-2``; it learns about new context through :meth:`commit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    """Proposed tokens of one step.
+
+    Attributes:
+        tokens: ``[n]`` int64 draft tokens (n may be 0).
+        probs: ``[n, V]`` drafter distributions the tokens were sampled from, or None when
+            the draft is deterministic (treated as one-hot by verify).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(torch.empty(0, dtype=torch.long))
+
+
+class Drafter:
+    """Base class: proposes draft tokens for the target to verify.
+
+    Subclasses set ``name`` and, when they need target hidden states as context features,
+    ``feature_layer_ids`` (0-based target decoder layers).
+    """
+
+    name = "none"
+    feature_layer_ids: list[int] | None = None
+    #: longest draft this drafter can propose in one step (None = unbounded)
+    max_draft: int | None = None
+
+    def reset(self) -> None:
+        """Forget the previous sequence (called before every request)."""
+
+    def commit(self, n_context: int, features: torch.Tensor | None) -> None:
+        """Positions ``0..n_context-1`` are now final context.
+
+        Args:
+            n_context: committed tokens minus the anchor (L-1).
+            features: ``[m, F]`` target features of the m newest context positions
+                (``n_context-m..n_context-1``), or None when not requested.
+        """
+
+    def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
+                generator: torch.Generator) -> Draft:
+        """Propose up to ``n`` tokens following ``tokens`` (``[L]`` committed ids)."""
+        return Draft.empty()
+
+
+class NoDrafter(Drafter):
+    """``--spec-type none``: plain decoding through the same loop (the baseline)."""

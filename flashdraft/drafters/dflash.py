@@ -1,0 +1,359 @@
+"""``--spec-type dflash``: the block-diffusion drafter of DFlash (arXiv 2602.06036).
+
+The drafter is a few decoder layers with the target's hidden size and *no* embedding or
+LM head of its own: it embeds ``[anchor, mask, ..., mask]`` with the target's embedding,
+denoises the whole block in one forward (bidirectional inside the block), and projects
+with the target's LM head. Keys/values of the context come from the target's hidden
+states at ``target_layer_ids``, fused by ``fc`` + ``hidden_norm`` (paper §3, reference
+z-lab/dflash ``dflash/model.py``). Parameter names follow the z-lab/SpecForge checkpoint
+layout so ``state_dict()`` *is* the checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdraft.drafters.base import Draft, Drafter
+from flashdraft.sampling import SamplingParams, filtered_probs, sample
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter (paper §3.1; reference default).
+
+    One drafter layer uses the middle layer; otherwise ids spread evenly from layer 1 to
+    layer ``L-3``.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for ``positions`` (any shape ``[...]``) -> cos, sin ``[..., head_dim]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [..., hd/2]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [N, heads, T, hd]`` with ``cos/sin [N, T, hd]`` (HF "rotate_half" layout)."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context | block]; no causal mask."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, self.n_heads, self.n_kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or h // self.n_heads
+        bias = bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)  # [N, n, T, hd]
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of ``x [N, T, H]`` -> two ``[N, n_kv, T, hd]`` (keys normed + rotated)."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.n_kv)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask=None) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.mlp = DFlashMLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter network; ``state_dict()`` uses z-lab/SpecForge weight names.
+
+    Args:
+        config: the checkpoint's ``config.json`` dict (DESIGN.md §2).
+    Raises:
+        KeyError: a required config key is missing.
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        dcfg = config.get("dflash_config", {})
+        self.block_size = int(config.get("block_size", dcfg.get("block_size", 16)))
+        self.mask_token_id = int(dcfg.get("mask_token_id", config.get("mask_token_id")))
+        self.target_layer_ids = list(dcfg.get("target_layer_ids") or build_target_layer_ids(
+            config["num_target_layers"], config["num_hidden_layers"]))
+        rope = config.get("rope_parameters") or {}
+        self.rope_theta = float(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        h = config["hidden_size"]
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config["rms_norm_eps"])
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(h, config["rms_norm_eps"])
+        self.head_dim = self.layers[0].self_attn.head_dim
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Context features ``[..., k*H]`` -> fused ``[..., H]`` (fc + RMSNorm)."""
+        return self.hidden_norm(self.fc(features))
+
+    def rope(self, positions: torch.Tensor):
+        return rope_cos_sin(positions, self.head_dim, self.rope_theta)
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V of fused features ``[N, T, H]`` at ``positions [N, T]``."""
+        cos, sin = self.rope(positions)
+        return [layer.self_attn.kv(fused, cos, sin) for layer in self.layers]
+
+    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Denoise blocks.
+
+        Args:
+            noise_embedding: ``[N, Lq, H]`` target embeddings of [anchor, mask, ...] blocks.
+            positions: ``[N, Lq]`` absolute positions of those tokens.
+            ctx_kv: per layer ``(k, v)`` each ``[N, n_kv, Lc, hd]``.
+            attn_mask: ``[N or 1, 1, Lq, Lc + Lq]`` bool (True = may attend), or None for
+                "everything visible" (inference: one block, all of its context).
+        Returns:
+            ``[N, Lq, H]`` final-normed hidden states (feed to the target's LM head).
+        """
+        cos, sin = self.rope(positions)
+        x = noise_embedding
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, attn_mask)
+        return self.norm(x)
+
+
+def drafter_config_for_target(target_config, num_layers: int = 1, block_size: int = 16,
+                              mask_token_id: int = 0, target_layer_ids: list[int] | None = None) -> dict:
+    """A SpecForge-style ``config.json`` dict for a drafter of ``target_config``'s shape."""
+    tc = target_config
+    n_target = int(tc.num_hidden_layers)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": int(tc.hidden_size),
+        "intermediate_size": int(tc.intermediate_size),
+        "num_attention_heads": int(tc.num_attention_heads),
+        "num_key_value_heads": int(tc.num_key_value_heads),
+        "head_dim": int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
+        "rms_norm_eps": float(tc.rms_norm_eps),
+        "rope_theta": float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 8192)),
+        "vocab_size": int(tc.vocab_size),
+        "num_hidden_layers": num_layers,
+        "num_target_layers": n_target,
+        "block_size": block_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "dflash_config": {"mask_token_id": int(mask_token_id),
+                          "target_layer_ids": target_layer_ids or build_target_layer_ids(n_target, num_layers)},
+    }
+
+
+def init_from_target(drafter: DFlashDraftModel, target_model) -> None:
+    """Initialise drafter layers from target layers (the ones feeding features).
+
+    Copies attention/MLP/norm weights of target layer ``target_layer_ids[i]`` into drafter
+    layer i (q/k norms stay 1 where the target has none) and the final norm from the
+    target's final norm, so the target's LM head sees inputs on its usual scale.
+    """
+    layers = target_model.get_decoder().layers
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            src = layers[drafter.target_layer_ids[min(i, len(drafter.target_layer_ids) - 1)]]
+            own = dict(layer.named_parameters())
+            for name, p in src.named_parameters():
+                if name in own and own[name].shape == p.shape:
+                    own[name].copy_(p)
+        drafter.norm.weight.copy_(target_model.get_decoder().norm.weight)
+
+
+class ContextKVCache:
+    """Per-layer context K/V of the drafter, preallocated; rollback moves ``length``.
+
+    Shapes: each layer holds k, v ``[n_kv, capacity, hd]``; ``length`` positions are valid.
+    """
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int = 1024,
+                 dtype: torch.dtype = torch.float32):
+        self.k = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.length = 0
+
+    def _grow(self, need: int) -> None:
+        cap = self.k[0].shape[1]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
+                grown[:, :cap] = t
+                store[i] = grown
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write per-layer ``(k, v)`` of shape ``[1, n_kv, m, hd]`` at ``length``."""
+        m = kv[0][0].shape[2]
+        self._grow(self.length + m)
+        for i, (k, v) in enumerate(kv):
+            self.k[i][:, self.length:self.length + m] = k[0]
+            self.v[i][:, self.length:self.length + m] = v[0]
+        self.length += m
+
+    def window(self, i: int, max_ctx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's valid K/V (the last ``max_ctx`` positions if set) as ``[1, n_kv, T, hd]``."""
+        start = 0 if max_ctx is None else max(0, self.length - max_ctx)
+        return self.k[i][None, :, start:self.length], self.v[i][None, :, start:self.length]
+
+
+class DFlashDrafter(Drafter):
+    """Runs a :class:`DFlashDraftModel` against a target.
+
+    Args:
+        model: the drafter network.
+        embed_tokens: the target's input embedding module (shared, frozen).
+        lm_head: the target's LM head (shared, frozen).
+        cross_ctx: attend to at most this many most recent context positions
+            (``--spec-dflash-cross-ctx``; None = all).
+    Raises:
+        ValueError: drafter and target hidden sizes differ.
+    """
+
+    name = "dflash"
+
+    def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
+                 cross_ctx: int | None = None):
+        if embed_tokens.weight.shape[1] != model.config["hidden_size"]:
+            raise ValueError(f"drafter hidden size {model.config['hidden_size']} != target's "
+                             f"{embed_tokens.weight.shape[1]}: this drafter was made for another model")
+        self.model = model.eval().requires_grad_(False)
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.feature_layer_ids = model.target_layer_ids
+        self.max_draft = model.block_size - 1
+        self.cross_ctx = cross_ctx
+        attn = model.layers[0].self_attn
+        self._cache_shape = (len(model.layers), attn.n_kv, attn.head_dim)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype)
+
+    @torch.inference_mode()
+    def commit(self, n_context: int, features: torch.Tensor | None) -> None:
+        if features is None:
+            raise ValueError("the dflash drafter needs target context features")
+        # rejected positions were never written: rolling back is only moving the length
+        self.cache.length = min(self.cache.length, n_context - features.shape[0])
+        if self.cache.length != n_context - features.shape[0]:
+            raise RuntimeError("context features are not contiguous with the drafter cache")
+        dtype = self.model.fc.weight.dtype
+        fused = self.model.fuse(features.to(dtype)[None])  # [1, m, H]
+        positions = torch.arange(self.cache.length, n_context)[None]
+        self.cache.append(self.model.context_kv(fused, positions))
+
+    @torch.inference_mode()
+    def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
+                generator: torch.Generator) -> Draft:
+        n = min(n, self.max_draft)
+        if n <= 0:
+            return Draft.empty()
+        anchor_pos = tokens.shape[0] - 1
+        # 1. block = [anchor, mask x n], embedded with the target's table
+        block = torch.full((n + 1,), self.model.mask_token_id, dtype=torch.long)
+        block[0] = tokens[-1]
+        x = self.embed_tokens(block)[None].to(self.model.fc.weight.dtype)  # [1, n+1, H]
+        positions = torch.arange(anchor_pos, anchor_pos + n + 1)[None]
+        # 2. one bidirectional forward over [context | block]; block K/V are not kept
+        ctx = [self.cache.window(i, self.cross_ctx) for i in range(len(self.model.layers))]
+        hidden = self.model(x, positions, ctx)[0, 1:]  # [n, H]
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # [n, V]
+        # 3. draft tokens: argmax at T=0, samples from q (same filters as the target) at T>0
+        if params.greedy:
+            return Draft(torch.argmax(logits, dim=-1))
+        q = filtered_probs(logits, params)
+        return Draft(sample(q, generator), q)
+
+
+def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    """Load a drafter from a SpecForge directory or a ``dflash-draft``/``dflash`` GGUF.
+
+    Raises:
+        FileNotFoundError / ValueError: see ``flashdraft.drafters.dflash_format``.
+    """
+    from flashdraft.drafters.dflash_format import load_dflash_checkpoint
+
+    config, state = load_dflash_checkpoint(path)
+    model = DFlashDraftModel(config)
+    state = {k: v for k, v in state.items() if k != "d2t"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith(("q_norm.weight", "k_norm.weight"))]
+    if missing or unexpected:
+        raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    return model.to(dtype)
+
+
+def random_dflash_model(target_model, num_layers: int = 1, block_size: int = 16,
+                        mask_token_id: int = 0, seed: int = 0) -> DFlashDraftModel:
+    """A randomly initialised drafter of the right shape (tests and plumbing only)."""
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(drafter_config_for_target(target_model.config, num_layers, block_size, mask_token_id))
+    return model

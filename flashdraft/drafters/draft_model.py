@@ -1,0 +1,73 @@
+"""``--spec-type draft``: a classic autoregressive draft model (Leviathan et al. 2023).
+
+The draft model must share the target's tokenizer (same vocabulary ids); it runs ``n``
+single-token steps per draft and keeps its own KV cache, rolled back after every verify.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from flashdraft.drafters.base import Draft, Drafter
+from flashdraft.sampling import SamplingParams, filtered_probs, sample
+
+
+class DraftModelDrafter(Drafter):
+    """Autoregressive drafter around a transformers causal LM.
+
+    Args:
+        draft_model: a transformers ``*ForCausalLM`` with the target's vocabulary.
+        vocab_size: the target's vocabulary size; raises ValueError when the draft
+            model's is smaller (ids would not line up).
+    """
+
+    name = "draft"
+
+    def __init__(self, draft_model, vocab_size: int):
+        n = draft_model.get_output_embeddings().weight.shape[0]
+        if n < vocab_size:
+            raise ValueError(f"draft model vocabulary ({n}) is smaller than the target's ({vocab_size})")
+        self.draft_model = draft_model.eval().requires_grad_(False)
+        self.vocab_size = vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.draft_model.config)
+
+    def _cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def commit(self, n_context: int, features: torch.Tensor | None) -> None:
+        # K/V beyond the committed context belong to rejected drafts: drop them
+        extra = self._cached() - n_context
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    @torch.inference_mode()
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
+        start = self._cached()
+        pos = torch.arange(start, start + ids.shape[0]).unsqueeze(0)
+        out = self.draft_model(input_ids=ids.unsqueeze(0), position_ids=pos,
+                               past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1, : self.vocab_size].float()  # [V]
+
+    def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
+                generator: torch.Generator) -> Draft:
+        if n <= 0:
+            return Draft.empty()
+        # 1. catch up on committed tokens the draft model has not seen (incl. the anchor)
+        logits = self._step(tokens[self._cached():])
+        out, probs = [], []
+        for k in range(n):
+            # 2. pick the next draft token (sampled from q at T > 0, argmax at T = 0)
+            if params.greedy:
+                tok = int(torch.argmax(logits))
+            else:
+                q = filtered_probs(logits[None], params)
+                tok = int(sample(q, generator)[0])
+                probs.append(q[0])
+            out.append(tok)
+            if k + 1 < n:
+                logits = self._step(torch.tensor([tok]))
+        return Draft(torch.tensor(out, dtype=torch.long), torch.stack(probs) if probs else None)

