@@ -1,0 +1,94 @@
+"""Build a ready generator (target + drafter) from user-level settings.
+
+Shared by ``flashdraft generate``, ``serve``, ``bench`` and ``eval`` so every command
+picks models the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashdraft.drafters.base import Drafter, NoDrafter
+from flashdraft.generate import SpeculativeGenerator
+from flashdraft.target import Target, load_hf_model
+
+log = logging.getLogger(__name__)
+
+SPEC_TYPES = ("none", "dflash", "draft", "ngram")
+#: drafter shipped for the packaged default target (trained with ``flashdraft train``)
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-dflash"
+
+
+@dataclass
+class EngineConfig:
+    """What to load.
+
+    Attributes:
+        model: target path (GGUF / HF dir / hub id); None = packaged SmolLM2-135M-Instruct.
+        spec_type: one of ``none | dflash | draft | ngram``.
+        draft_model: drafter path. ``dflash``: SpecForge dir or GGUF, or ``random[:LAYERS]``
+            (an untrained drafter, for plumbing tests). ``draft``: a causal LM sharing the
+            target's tokenizer, or ``target`` (the target drafts for itself).
+            None with ``dflash`` on the default target = the shipped drafter.
+        n_draft: draft tokens per step (``--spec-draft-n-max``).
+        ctx_size: positions per sequence (``-c``).
+        cross_ctx: DFlash drafter attends to at most this many recent positions.
+        ngram_max / ngram_min: n-gram sizes of prompt lookup.
+    """
+
+    model: str | None = None
+    spec_type: str = "dflash"
+    draft_model: str | None = None
+    n_draft: int = 16
+    ctx_size: int = 4096
+    cross_ctx: int | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    dtype: torch.dtype = torch.float32
+
+
+def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
+    """The drafter ``cfg`` asks for, wired to ``target``.
+
+    Raises:
+        ValueError: unknown spec type, or a drafter that needs a path and has none.
+    """
+    if cfg.spec_type not in SPEC_TYPES:
+        raise ValueError(f"unknown --spec-type {cfg.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
+    if cfg.spec_type == "none":
+        return NoDrafter()
+    if cfg.spec_type == "ngram":
+        from flashdraft.drafters.ngram import NgramDrafter
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+    if cfg.spec_type == "draft":
+        from flashdraft.drafters.draft_model import DraftModelDrafter
+        if not cfg.draft_model:
+            raise ValueError("--spec-type draft needs --spec-draft-model PATH (a small model with the target's tokenizer)")
+        model = target.model if cfg.draft_model == "target" else load_hf_model(cfg.draft_model, cfg.dtype)[0]
+        return DraftModelDrafter(model, target.vocab_size)
+    from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
+    path = cfg.draft_model
+    if path is None:
+        if cfg.model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists():
+            path = str(DEFAULT_DRAFTER_DIR)
+        else:
+            raise ValueError("--spec-type dflash needs --spec-draft-model PATH (a DFlash drafter trained for "
+                             "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
+    if path.startswith("random"):
+        layers = int(path.split(":", 1)[1]) if ":" in path else 1
+        model = random_dflash_model(target.model, num_layers=layers)
+    else:
+        model = load_dflash_model(path, cfg.dtype)
+    return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx)
+
+
+def load_engine(cfg: EngineConfig, target: Target | None = None) -> SpeculativeGenerator:
+    """Load the target (unless given) and the drafter; returns a ready generator."""
+    if target is None:
+        target = Target.load(cfg.model, cfg.dtype)
+    drafter = load_drafter(cfg, target)
+    return SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft)

@@ -1,0 +1,37 @@
+"""Tiny random-config targets for fast unit tests (never for quality or speed claims)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+from flashdraft.target import Target
+
+VOCAB = 64
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ids 0..63 are the words "<eos>", "t1".."t63"."""
+    vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64):
+    """A random causal LM of ``arch`` (llama | qwen3) with a peaked output distribution."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                  max_position_embeddings=512, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+                  tie_word_embeddings=False)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # sharper logits so tests see both acceptances and rejections
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def tiny_target(arch: str = "llama", seed: int = 0, **kw) -> Target:
+    return Target(tiny_model(arch, seed, **kw), tiny_tokenizer(), name=f"tiny-{arch}")
