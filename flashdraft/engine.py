@@ -86,9 +86,16 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx)
 
 
-def load_engine(cfg: EngineConfig, target: Target | None = None) -> SpeculativeGenerator:
-    """Load the target (unless given) and the drafter; returns a ready generator."""
+def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
+    """Load the target (unless given) and the drafter; returns a ready generator.
+
+    ``warmup`` runs one short generation so the first request does not pay for kernel
+    initialisation (the first forward of a process is several times slower on CPU).
+    """
     if target is None:
         target = Target.load(cfg.model, cfg.dtype)
     drafter = load_drafter(cfg, target)
-    return SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft)
+    gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft)
+    if warmup:
+        gen.warmup()
+    return gen

@@ -121,6 +121,12 @@ class SpeculativeGenerator:
         if n_prompt >= self.ctx_size:
             raise ContextOverflowError(n_prompt, self.ctx_size)
 
+    def warmup(self) -> None:
+        """One short greedy generation through target and drafter (results discarded)."""
+        ids = self.target.encode("Hello, hello, hello") or [0]
+        for _ in self.generate(ids[: self.ctx_size // 2], 4, SamplingParams(), ignore_eos=True):
+            pass
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,

@@ -134,10 +134,12 @@ def iter_json_array_records(text: str):
 
 # ShareGPT's HTML-to-markdown scrape escaped markdown characters ("read\_s3\_file").
 _MD_ESCAPE = re.compile(r"\\([_*\[\]#<>`~|])")
+# ...and the ShareGPT browser extension's button label stuck to some prompts.
+_SHARE_SUFFIX = re.compile(r"\s*Share Prompt\s*$")
 
 
 def _clean_text(text: str) -> str:
-    return _MD_ESCAPE.sub(r"\1", text).strip()
+    return _SHARE_SUFFIX.sub("", _MD_ESCAPE.sub(r"\1", text)).strip()
 
 
 def normalize_text(text: str) -> str:
@@ -190,8 +192,9 @@ def sharegpt_path() -> Path:
 def load_sharegpt(path: str | Path | None = None, *, with_stats: bool = False):
     """ShareGPT first user turns, parsed tolerantly from the (truncated) JSON array.
 
-    Keeps, per record, the first turn when it is the user's ("human"), markdown escapes
-    undone, 20-400 characters, ASCII only, de-duplicated (case/whitespace-insensitive).
+    Keeps, per record, the first turn when it is the user's ("human"), with markdown
+    escapes undone and a trailing "Share Prompt" removed; 20-400 characters, ASCII only,
+    de-duplicated (case/whitespace-insensitive).
     Returns ``[{"id": "sharegpt/<record id>", "text": str}, ...]`` in file order; with
     ``with_stats=True`` returns ``(records, stats)`` where ``stats`` counts ``records``
     parsed (17,671 on the packaged file), ``first_turn_human`` and ``kept``.
@@ -211,7 +214,7 @@ def load_sharegpt(path: str | Path | None = None, *, with_stats: bool = False):
 # ---------------------------------------------------------------- code heuristic
 
 _CODE_WORDS = re.compile(
-    r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|perl|"
+    r"\b(python|javascript|typescript|java|golang|rust|kotlin|swift|php|ruby|perl|"
     r"scala|haskell|matlab|bash|powershell|shell script|sql|mysql|postgres(?:ql)?|sqlite|"
     r"mongodb|regex|regular expression|html|css|jsx|react|vue(?:\.?js)?|angular|svelte|"
     r"node\.?js|express\.?js|django|flask|fastapi|spring boot|laravel|rails|pandas|numpy|"
@@ -234,17 +237,22 @@ _CODE_SYNTAX = re.compile(
     r"\bconst \w+|\blet \w+\s*=",
     re.MULTILINE,
 )
+# Language names that \b cannot delimit (C++, C#) or that are ordinary words (Go).
+_CODE_LANG_NAMES = re.compile(
+    r"(?<![\w+#])(?:[cC]\+\+|[cCfF]#)(?![\w+#])|\b(?:in|a|using|with) Go\b|"
+    r"\bGo (?:code|function|program|example|struct|module)"
+)
 
 
 def is_code_prompt(text: str) -> bool:
     """Heuristic: does ``text`` ask for, contain or discuss code?
 
     True when it contains code syntax (fences, ``def f(``, ``#include``, ``f()``, ...) or
-    mentions a programming language, tool or programming term. Tuned so that about 1 in 4.4
-    kept ShareGPT first turns (1,473 of 6,435) counts as code; a cheap filter, not a
+    mentions a programming language, tool or programming term. Tuned so that about 1 in 4.3
+    kept ShareGPT first turns (1,508 of 6,430) counts as code; a cheap filter, not a
     classifier.
     """
-    return bool(_CODE_SYNTAX.search(text) or _CODE_WORDS.search(text))
+    return bool(_CODE_SYNTAX.search(text) or _CODE_WORDS.search(text) or _CODE_LANG_NAMES.search(text))
 
 
 # ---------------------------------------------------------------- held-out ShareGPT

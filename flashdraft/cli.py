@@ -1,0 +1,117 @@
+"""``flashdraft`` command line: serve, generate, train, eval, bench, convert."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+#: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
+COMMANDS = {
+    "serve": ("flashdraft.server.cli", "start the OpenAI/llama-server compatible HTTP server"),
+    "generate": ("flashdraft.cli", "generate text once from a prompt"),
+    "train": ("flashdraft.train.cli", "train a DFlash drafter for a target model"),
+    "eval": ("flashdraft.train.evaluate", "measure a drafter's acceptance length on a prompt set"),
+    "convert": ("flashdraft.train.export", "convert a DFlash drafter between SpecForge and GGUF"),
+    "bench": ("flashdraft.bench.runner", "benchmark baseline vs drafters vs peer engines"),
+}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model-selection flags shared by generate/eval/bench (llama-server names)."""
+    p.add_argument("-m", "--model", default=None,
+                   help="target model: .gguf file, HF directory or hub id (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("-md", "--spec-draft-model", default=None,
+                   help="drafter: DFlash SpecForge dir/GGUF (or random[:LAYERS]); draft model path (or 'target')")
+    p.add_argument("--spec-type", default="dflash", choices=["none", "dflash", "draft", "ngram"],
+                   help="drafting method (default: dflash)")
+    p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
+    p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
+                   help="DFlash drafter attends to at most N recent positions")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def engine_config(args):
+    from flashdraft.engine import EngineConfig
+    return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
+                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``flashdraft generate``."""
+    add_model_arguments(p)
+    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="max tokens to generate (default: 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, timings")
+
+
+def run(args) -> int:
+    """``flashdraft generate``: prints the text (or JSON with ``--json``)."""
+    import torch
+
+    from flashdraft.engine import load_engine
+    from flashdraft.generate import generate_text
+    from flashdraft.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    gen = load_engine(engine_config(args))
+    t = gen.target
+    ids = t.chat_prompt_ids([{"role": "user", "content": args.prompt}]) if args.chat else t.encode(args.prompt)
+    if args.json:
+        text, token_ids, finish, timings = generate_text(gen, ids, args.max_tokens, params, stop=args.stop)
+        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": finish,
+                          "timings": timings.to_dict(gen.drafting)}))
+        return 0
+    timings = None
+    for step in gen.generate(ids, args.max_tokens, params, stop=args.stop):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+        timings = step.timings or timings
+    d = timings.to_dict(gen.drafting)
+    extra = f", draft {d['draft_n_accepted']}/{d['draft_n']} accepted, tau {d['acceptance_length']:.2f}" \
+        if gen.drafting else ""
+    print(f"\n\n[{d['predicted_n']} tokens, {d['predicted_per_second']:.1f} tokens/s{extra}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashdraft", description="DFlash speculative decoding for local LLMs")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("flashdraft"):
+                raise
+            continue  # command not available in this build
+        modules[name].add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return modules[args.command].run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"flashdraft {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

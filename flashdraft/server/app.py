@@ -1,0 +1,206 @@
+"""The FastAPI application: :func:`create_app` wires state, auth, errors and routes.
+
+Routes (llama-server compatible):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /completion``
+  (see :mod:`flashdraft.server.completions`)
+- ``GET /health`` (503 while loading, 200 ``{"status": "ok"}``), ``GET /v1/models``
+  (also ``/models``), ``GET /props``, ``POST /tokenize``, ``POST /detokenize``,
+  ``GET /metrics`` (Prometheus; 501 unless ``--metrics``)
+
+With ``api_key`` set, every route except ``/health`` needs ``Authorization: Bearer KEY``
+(or ``X-Api-Key: KEY``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
+
+import flashdraft
+from flashdraft.generate import SpeculativeGenerator
+from flashdraft.server import completions
+from flashdraft.server.errors import APIError, install_error_handlers
+from flashdraft.server.metrics import CONTENT_TYPE
+from flashdraft.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       LlamaCompletionRequest, TokenizeRequest, parse_request)
+from flashdraft.server.state import ServerSettings, ServerState
+
+log = logging.getLogger(__name__)
+
+#: routes that never need the API key (load balancers probe them)
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+#: request body schema per route, for the OpenAPI document (routes parse bodies themselves
+#: so that every validation error has OpenAI's shape)
+REQUEST_MODELS = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/completion": LlamaCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+Loader = Callable[[], SpeculativeGenerator]
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (does not wrap ``receive``, so disconnect detection and
+    streaming behave as without it): 401 unless the request carries the key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        if secrets.compare_digest(token, self.key):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "Invalid API key: send 'Authorization: Bearer <key>' (the --api-key value)",
+                       code="invalid_api_key")
+        response = err.response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: ServerSettings | None = None,
+               on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """Build the server application.
+
+    Args:
+        generator_or_loader: a ready generator, or a no-argument function that loads one;
+            a loader runs on a background thread once the ASGI server has started, so
+            ``/health`` answers 503 until it returns.
+        settings: server defaults and switches (defaults: :class:`ServerSettings`).
+        on_load_failed: called (on the loader thread) if the loader raises; the CLI uses
+            it to stop the process.
+    Returns:
+        The FastAPI app; its :class:`ServerState` is ``app.state.flashdraft``.
+    """
+    settings = settings or ServerSettings()
+    state = ServerState(settings, on_load_failed=on_load_failed)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if isinstance(generator_or_loader, SpeculativeGenerator):
+            state.set_ready(generator_or_loader)
+        else:
+            threading.Thread(target=state.load, args=(generator_or_loader,), name="flashdraft-loader",
+                             daemon=True).start()
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="flashdraft", version=flashdraft.__version__, lifespan=lifespan)
+    app.state.flashdraft = state
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    install_error_handlers(app)
+    _add_info_routes(app, state)
+    completions.register(app, state)
+    _document_request_bodies(app)
+    return app
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    @app.get("/health")
+    @app.get("/v1/health", include_in_schema=False)
+    async def health() -> Response:
+        """200 ``{"status": "ok"}`` when ready; 503 while loading; 500 if loading failed."""
+        state.require_ready()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    @app.get("/models", include_in_schema=False)
+    async def models() -> Response:
+        """The one served model (OpenAI list shape, plus llama-server's ``models``)."""
+        state.require_ready()
+        target = state.generator.target
+        meta = {"n_ctx": state.generator.ctx_size, "n_vocab": target.vocab_size,
+                "n_ctx_train": getattr(target.config, "max_position_embeddings", None),
+                "spec_type": settings.spec_type, "drafter": state.generator.drafter.name}
+        entry = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "flashdraft",
+                 "meta": meta}
+        return JSONResponse({"object": "list", "data": [entry],
+                             "models": [{"name": state.model_id, "model": state.model_id}]})
+
+    @app.get("/props")
+    async def props() -> Response:
+        """Server defaults and model facts (llama-server's ``/props`` subset)."""
+        state.require_ready()
+        g = state.generator
+        params = {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
+                  "min_p": settings.min_p, "seed": -1 if settings.seed is None else settings.seed,
+                  "n_predict": settings.n_predict, "speculative.n_max": g.n_draft}
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": g.ctx_size, "params": params},
+            "total_slots": 1,
+            "model_alias": state.model_id,
+            "model_path": settings.model_path or g.target.name,
+            "chat_template": state.prompts.chat_template or "",
+            "modalities": {"vision": False, "audio": False},
+            "speculative": {"type": settings.spec_type, "drafter": g.drafter.name, "n_max": g.n_draft,
+                            "drafting": g.drafting},
+            "build_info": f"flashdraft {flashdraft.__version__}",
+        })
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """``{"content", "add_special", "with_pieces"}`` -> ``{"tokens": [...]}``."""
+        state.require_ready()
+        req = parse_request(await completions.read_body(request, settings.max_body_bytes), TokenizeRequest)
+        ids = state.prompts.encode(req.content, add_special=req.add_special)
+        if req.with_pieces:
+            return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece(i)} for i in ids]})
+        return JSONResponse({"tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """``{"tokens": [...]}`` -> ``{"content": str}`` (special tokens kept, so
+        ``/tokenize`` then ``/detokenize`` gives the text back)."""
+        state.require_ready()
+        req = parse_request(await completions.read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        ids = state.prompts.check_ids(req.tokens)
+        return JSONResponse({"content": state.prompts.decode(ids, skip_special=False)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format; 501 unless the server was started with ``--metrics``."""
+        if not settings.metrics:
+            raise APIError(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                           type="not_supported_error")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """Put the request models into the OpenAPI document (``/openapi.json``)."""
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = base_openapi()
+        refs, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS.values()],
+                                        ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in REQUEST_MODELS.items():
+            op = doc["paths"].get(path, {}).get("post")
+            if op is not None:
+                op["requestBody"] = {"required": True,
+                                     "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi

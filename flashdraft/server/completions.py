@@ -1,0 +1,301 @@
+"""The generation routes: ``/v1/chat/completions``, ``/v1/completions``, ``/completion``.
+
+Each route: parse + validate the body (400 on anything wrong), tokenise, check the
+context, submit one job to the scheduler, then either collect its steps into one JSON
+body or stream them as server-sent events. Errors known before the first token are
+plain HTTP errors even for ``stream: true`` (the route waits for the first step before
+it starts the event stream); a failure after that ends the stream with an ``error`` event.
+A client that disconnects cancels its job (queued: never runs; running: stops within
+one verify step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flashdraft.generate import Cancelled, ContextOverflowError, Step
+from flashdraft.server import responses as R
+from flashdraft.server.errors import APIError, internal_error
+from flashdraft.server.scheduler import JobFailed, Ticket
+from flashdraft.server.schemas import ChatCompletionRequest, CompletionRequest, LlamaCompletionRequest, parse_request
+from flashdraft.server.state import ServerState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: nginx's code for "client closed request": the body is never read by anyone
+CLIENT_CLOSED = 499
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (413) without reading it all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@asynccontextmanager
+async def cancel_on_disconnect(request: Request, ticket: Ticket):
+    """While inside, a client disconnect cancels ``ticket`` (the body is already read, so
+    the next ASGI message can only be ``http.disconnect``)."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                ticket.cancel()
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def failure(e: JobFailed) -> APIError:
+    """HTTP error for a failed job: the client's fault only if it failed before any output
+    with a validation error; otherwise ours (500)."""
+    if isinstance(e.error, ContextOverflowError):
+        return APIError(400, str(e.error), code="context_length_exceeded",
+                        extra={"n_prompt_tokens": e.error.n_prompt, "n_ctx": e.error.ctx_size})
+    if isinstance(e.error, ValueError) and not e.after_output:
+        return APIError(400, str(e.error))
+    return internal_error(e.error)
+
+
+async def run_to_end(request: Request, ticket: Ticket) -> R.Completion:
+    """Collect every step of ``ticket`` into one :class:`Completion`.
+
+    Raises:
+        APIError: the job failed (4xx/5xx) or the client left (499).
+    """
+    c, parts = R.Completion(), []
+    try:
+        async with cancel_on_disconnect(request, ticket):
+            async for step in ticket.events():
+                parts.append(step.text)
+                c.token_ids.extend(step.token_ids)
+                if step.finish_reason is not None:
+                    c.finish_reason, c.timings = step.finish_reason, step.timings
+    except JobFailed as e:
+        raise failure(e) from None
+    except Cancelled:
+        raise APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled") from None
+    finally:
+        ticket.cancel()  # no-op once finished; stops the job if this handler was cancelled
+    c.text = "".join(parts)
+    return c
+
+
+class StreamFormat:
+    """How one endpoint writes its event stream."""
+
+    def start(self) -> list[bytes]:
+        """Events before the first text."""
+        return []
+
+    def delta(self, step: Step) -> bytes | None:
+        """Event for a step that is not the last (None = nothing to send)."""
+        raise NotImplementedError
+
+    def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
+        """Events for the last step, given the whole completion."""
+        raise NotImplementedError
+
+
+class ChatStream(StreamFormat):
+    """OpenAI ``chat.completion.chunk`` events ending in ``data: [DONE]``."""
+
+    def __init__(self, meta: R.ResponseMeta, include_usage: bool):
+        self.meta, self.include_usage = meta, include_usage
+
+    def start(self) -> list[bytes]:
+        return [R.sse(R.chat_chunk(self.meta, {"role": "assistant", "content": ""}))]
+
+    def delta(self, step: Step) -> bytes | None:
+        return R.sse(R.chat_chunk(self.meta, {"content": step.text})) if step.text else None
+
+    def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
+        out = [self.delta(step)] if step.text else []
+        out.append(R.sse({**R.chat_chunk(self.meta, {}, c.finish_reason), **R.final_extras(c, timings)}))
+        if self.include_usage:
+            out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
+        return out + [R.SSE_DONE]
+
+
+class CompletionStream(StreamFormat):
+    """OpenAI ``text_completion`` events ending in ``data: [DONE]``."""
+
+    def __init__(self, meta: R.ResponseMeta, include_usage: bool):
+        self.meta, self.include_usage = meta, include_usage
+
+    def delta(self, step: Step) -> bytes | None:
+        return R.sse(R.completion_chunk(self.meta, step.text)) if step.text else None
+
+    def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
+        out = [self.delta(step)] if step.text else []
+        out.append(R.sse({**R.completion_chunk(self.meta, "", c.finish_reason), **R.final_extras(c, timings)}))
+        if self.include_usage:
+            out.append(R.sse(R.usage_chunk(self.meta, "text_completion", c, timings)))
+        return out + [R.SSE_DONE]
+
+
+class LlamaStream(StreamFormat):
+    """llama-server ``/completion`` events: ``{"content", "tokens", "stop": false}`` chunks,
+    then the full final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
+
+    def __init__(self, final: Callable[[R.Completion, dict], dict]):
+        self.final = final
+
+    def delta(self, step: Step) -> bytes | None:
+        return R.sse(R.llama_chunk(step.text, step.token_ids)) if step.text or step.token_ids else None
+
+    def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
+        # the last event carries only its own piece of text, like every other event
+        return [R.sse({**self.final(c, timings), "content": step.text, "tokens": step.token_ids})]
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Add the three generation routes to ``app``."""
+
+    def timings_of(c: R.Completion) -> dict:
+        return c.timings.to_dict(state.generator.drafting)
+
+    def counted(endpoint: str):
+        """Count every outcome in ``flashdraft_requests_total`` (streams count themselves)."""
+
+        def deco(fn: Callable[[Request], Awaitable[Response]]):
+            @functools.wraps(fn)
+            async def wrapper(request: Request) -> Response:
+                try:
+                    response = await fn(request)
+                except APIError as e:
+                    status = "cancelled" if e.status == CLIENT_CLOSED else (
+                        "client_error" if e.status < 500 else "server_error")
+                    state.metrics.observe_request(endpoint, status)
+                    raise
+                if not isinstance(response, StreamingResponse):
+                    state.metrics.observe_request(endpoint, "ok")
+                return response
+            return wrapper
+        return deco
+
+    async def stream(request: Request, endpoint: str, ticket: Ticket, fmt: StreamFormat) -> StreamingResponse:
+        events = ticket.events()
+        try:
+            async with cancel_on_disconnect(request, ticket):
+                first = await anext(events)  # errors before any output stay plain HTTP errors
+        except JobFailed as e:
+            raise failure(e) from None
+        except Cancelled:
+            raise APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled") from None
+        except BaseException:
+            ticket.cancel()
+            raise
+        return StreamingResponse(sse_body(endpoint, ticket, first, events, fmt),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def sse_body(endpoint: str, ticket: Ticket, first: Step, events: AsyncIterator[Step],
+                       fmt: StreamFormat) -> AsyncIterator[bytes]:
+        c, parts, status = R.Completion(), [], "ok"
+        try:
+            for event in fmt.start():
+                yield event
+            step = first
+            while True:
+                parts.append(step.text)
+                c.token_ids.extend(step.token_ids)
+                if step.finish_reason is not None:
+                    c.text, c.finish_reason, c.timings = "".join(parts), step.finish_reason, step.timings
+                    for event in fmt.end(step, c, timings_of(c)):
+                        yield event
+                    return
+                event = fmt.delta(step)
+                if event is not None:
+                    yield event
+                step = await anext(events)
+        except JobFailed as e:
+            err = failure(e)
+            status = "client_error" if err.status < 500 else "server_error"
+            yield R.sse(err.body())
+        except Cancelled:
+            status = "cancelled"
+        except BaseException:  # the client went away (CancelledError) or shutdown
+            status = "cancelled"
+            raise
+        finally:
+            ticket.cancel()  # frees the slot within one step if we stopped early
+            state.metrics.observe_request(endpoint, status)
+
+    async def body_of(request: Request, model):
+        state.require_ready()
+        req = parse_request(await read_body(request, state.settings.max_body_bytes), model)
+        meta_model = state.check_model(req.model)
+        state.note_ignored(req.model_extra)
+        return req, meta_model
+
+    @app.post("/v1/chat/completions")
+    @counted("chat")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions (``stream`` supported; ``n`` must be 1)."""
+        req, model = await body_of(request, ChatCompletionRequest)
+        ids = state.prompts.chat(req.messages, req.chat_template_kwargs)
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages")
+        meta = R.ResponseMeta.new("chatcmpl", model)
+        ticket = state.scheduler.submit(job)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await stream(request, "chat", ticket, ChatStream(meta, include_usage))
+        c = await run_to_end(request, ticket)
+        return JSONResponse(R.chat_response(meta, c, timings_of(c)))
+
+    @app.post("/v1/completions")
+    @counted("completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI text completions: one prompt (string or token ids)."""
+        req, model = await body_of(request, CompletionRequest)
+        ids = state.prompts.prompt(req.prompt_value())
+        job = state.make_job(ids, req.max_tokens, req)
+        meta = R.ResponseMeta.new("cmpl", model)
+        ticket = state.scheduler.submit(job)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await stream(request, "completions", ticket, CompletionStream(meta, include_usage))
+        c = await run_to_end(request, ticket)
+        return JSONResponse(R.completion_response(meta, c, timings_of(c)))
+
+    @app.post("/completion")
+    @counted("completion")
+    async def llama_completion(request: Request) -> Response:
+        """llama-server's native completion (``prompt``, ``n_predict``, ``stop``, ``stream``...)."""
+        req, model = await body_of(request, LlamaCompletionRequest)
+        ids = state.prompts.prompt(req.prompt)
+        job = state.make_job(ids, None if req.n_predict < 0 else req.n_predict, req, limit_param="n_predict")
+        stops = job.stop
+
+        def final(c: R.Completion, timings: dict) -> dict:
+            stop_type, word = R.stop_details(state.prompts.decode, c, stops)
+            p = job.params
+            settings = {"n_predict": req.n_predict, "temperature": p.temperature, "top_k": p.top_k,
+                        "top_p": p.top_p, "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed,
+                        "stop": stops, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
+            return R.llama_response(c, timings, model, len(ids), stop_type, word, settings)
+
+        ticket = state.scheduler.submit(job)
+        if req.stream:
+            return await stream(request, "completion", ticket, LlamaStream(final))
+        c = await run_to_end(request, ticket)
+        return JSONResponse(final(c, timings_of(c)))

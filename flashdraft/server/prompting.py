@@ -1,0 +1,93 @@
+"""Requests to prompt token ids, and the tokenizer endpoints' text <-> ids.
+
+Runs on the event-loop thread while the worker decodes on its own thread, so it uses its
+own copy of the tokenizer: a Rust fast tokenizer may refuse concurrent use from two
+threads ("Already borrowed") when one call changes its padding/truncation state.
+The encoding rules are the target's (:meth:`flashdraft.target.Target.encode`: no special
+tokens added; special-token strings in the text are parsed as special tokens), so the
+server and ``flashdraft generate`` give the same ids for the same text.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from flashdraft.server.errors import bad_request
+from flashdraft.server.schemas import ChatMessage
+from flashdraft.target import Target
+
+#: OpenAI's newer role names mapped to what chat templates know
+ROLE_ALIASES = {"developer": "system"}
+
+
+class PromptBuilder:
+    """Builds prompt token ids for one target.
+
+    Args:
+        target: the loaded target (only its tokenizer and vocabulary size are used).
+        template_kwargs: variables every chat template render gets (e.g.
+            ``{"enable_thinking": False}`` from ``--reasoning off``).
+    """
+
+    def __init__(self, target: Target, template_kwargs: dict | None = None):
+        self.tokenizer = copy.deepcopy(target.tokenizer)
+        self.vocab_size = target.vocab_size
+        self.template_kwargs = dict(template_kwargs or {})
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.tokenizer, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    def chat(self, messages: list[ChatMessage], template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template + the assistant prefix.
+
+        Raises:
+            APIError: 400 when the model has no chat template or the template rejects the
+                conversation (e.g. roles that do not alternate).
+        """
+        if not self.has_chat_template:
+            raise bad_request("this model has no chat template; use /v1/completions or /completion "
+                              "with a plain prompt", param="messages")
+        rendered = [{"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in messages]
+        kwargs = {**self.template_kwargs, **(template_kwargs or {})}
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as e:  # jinja2 TemplateError from raise_exception(...) in the template
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+        return self.encode(text)
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of ``text`` (``add_special``: add BOS/EOS the tokenizer would add)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Ids of a text prompt, or token ids checked against the vocabulary.
+
+        Raises:
+            APIError: 400 for an empty prompt or a token id outside the vocabulary.
+        """
+        ids = self.encode(prompt) if isinstance(prompt, str) else self.check_ids(prompt, param)
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        return ids
+
+    def check_ids(self, ids: list[int], param: str = "tokens") -> list[int]:
+        """Return ``ids`` if all lie in ``[0, vocab_size)``; else raise APIError 400."""
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise bad_request(f"token id {t} at index {i} is outside the vocabulary [0, {self.vocab_size})",
+                                  param=param)
+        return list(ids)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; ``skip_special`` drops special tokens as generated text does."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token, special tokens included (for ``/tokenize`` pieces)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,135 @@
+"""Response bodies: OpenAI chat / text completions and llama-server's ``/completion``.
+
+Every completion carries llama-server's ``timings`` (:meth:`Timings.to_dict`) and
+``usage`` with ``completion_tokens == timings.predicted_n``: both count exactly the
+returned tokens, never anything after a stop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from flashdraft.generate import Timings
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Completion:
+    """A finished generation, as the routes see it."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    timings: Timings | None = None
+
+
+@dataclass
+class ResponseMeta:
+    """What every chunk of one response repeats."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseMeta":
+        """A fresh id like ``chatcmpl-<hex>``."""
+        return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", model)
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage(t: Timings) -> dict:
+    """OpenAI ``usage``: prompt and returned tokens."""
+    return {"prompt_tokens": t.prompt_n, "completion_tokens": t.predicted_n,
+            "total_tokens": t.prompt_n + t.predicted_n}
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------
+
+def chat_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
+    """Non-streamed ``chat.completion``."""
+    return {
+        "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": None, "finish_reason": c.finish_reason}],
+        "usage": usage(c.timings), "timings": timings,
+    }
+
+
+def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None) -> dict:
+    """One streamed ``chat.completion.chunk``."""
+    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+# -- /v1/completions -----------------------------------------------------------------------
+
+def completion_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
+    """Non-streamed ``text_completion``."""
+    return {
+        "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+        "choices": [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}],
+        "usage": usage(c.timings), "timings": timings,
+    }
+
+
+def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None) -> dict:
+    """One streamed ``text_completion`` chunk."""
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def final_extras(c: Completion, timings: dict) -> dict:
+    """Fields the last streamed chunk adds (llama-server style): ``usage`` and ``timings``."""
+    return {"usage": usage(c.timings), "timings": timings}
+
+
+def usage_chunk(meta: ResponseMeta, obj: str, c: Completion, timings: dict) -> dict:
+    """OpenAI's extra last chunk for ``stream_options.include_usage``: no choices, usage."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
+            **final_extras(c, timings)}
+
+
+# -- /completion (llama-server) ------------------------------------------------------------
+
+def stop_details(decode: Callable[[list[int]], str], c: Completion, stops: list[str]) -> tuple[str, str]:
+    """llama-server's ``(stop_type, stopping_word)``: ``eos`` | ``word`` | ``limit``.
+
+    The loop reports only ``stop``/``length``; a stop string cut the text short exactly
+    when the decoded tokens run past the returned text, and the stop string is what
+    follows it there.
+    """
+    if c.finish_reason == "length":
+        return "limit", ""
+    full = decode(c.token_ids)
+    if len(full) > len(c.text) and full.startswith(c.text):
+        for s in stops:
+            if s and full.startswith(s, len(c.text)):
+                return "word", s
+    return "eos", ""
+
+
+def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop_type: str,
+                   stopping_word: str, settings: dict) -> dict:
+    """Non-streamed (or final streamed) ``/completion`` body."""
+    return {
+        "content": c.text, "tokens": c.token_ids, "id_slot": 0, "stop": True, "model": model,
+        "tokens_predicted": c.timings.predicted_n, "tokens_evaluated": prompt_n,
+        "generation_settings": settings, "has_new_line": "\n" in c.text, "truncated": False,
+        "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": 0,
+        "timings": timings,
+    }
+
+
+def llama_chunk(text: str, token_ids: list[int]) -> dict:
+    """One streamed ``/completion`` chunk (not the last)."""
+    return {"content": text, "tokens": token_ids, "stop": False, "id_slot": 0}

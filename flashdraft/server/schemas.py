@@ -1,0 +1,261 @@
+"""Request bodies as strict pydantic models.
+
+Strict: a string where a number belongs, ``1.0`` where an integer belongs, or ``"yes"``
+for a boolean is an error, never a silent coercion. NaN and infinities are rejected.
+Unknown fields are accepted (llama-server accepts them too; OpenAI SDKs send fields this
+engine has no use for) and logged by the app as ignored — they are not swallowed silently.
+
+:func:`parse_request` turns a raw body into a model or raises :class:`APIError` (400) in
+OpenAI's error shape, with ``param`` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from flashdraft.server.errors import APIError, bad_request
+
+#: more stop strings than this is almost certainly a client bug (OpenAI allows 4)
+MAX_STOP_STRINGS = 16
+#: seeds are passed to ``torch.Generator.manual_seed`` (unsigned 64-bit)
+MAX_SEED = 2**64 - 1
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class SamplingFields(_Strict):
+    """Sampling settings a request may set; None = the server's default (``--temp``...)."""
+
+    temperature: float | None = Field(None, ge=0.0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    #: -1 means "random" as in llama-server
+    seed: int | None = Field(None, ge=-1, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    ignore_eos: bool = False
+    model: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
+        return v
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (a single string becomes a one-item list)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class StreamOptions(_Strict):
+    """OpenAI ``stream_options``."""
+
+    include_usage: bool = False
+
+
+class _OpenAIFields(SamplingFields):
+    """Fields shared by ``/v1/chat/completions`` and ``/v1/completions``."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1)
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v is not None and v > 1:
+            raise ValueError(f"only n=1 is supported (one choice per request), got n={v}")
+        return v
+
+
+class TextPart(_Strict):
+    """A content part; only text is supported by this engine."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined without separator)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_OpenAIFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    #: extra variables for the chat template (e.g. ``enable_thinking``)
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``; None = unset."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_OpenAIFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a token list, or a one-item list."""
+
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("batched prompts are not supported: send one prompt per request")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v is not None and v > 1:
+            raise ValueError("best_of > 1 is not supported by this server")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return v
+
+    def prompt_value(self) -> str | list[int]:
+        """The single prompt: a string or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
+
+
+class LlamaCompletionRequest(SamplingFields):
+    """``POST /completion`` (llama-server's native endpoint).
+
+    ``n_predict``: -1 = until EOS, a stop or the end of the context; otherwise >= 1.
+    """
+
+    prompt: str | list[int]
+    n_predict: int = Field(-1, ge=-1)
+    cache_prompt: bool = True  # accepted for compatibility; there is no prompt cache yet
+
+    @field_validator("n_predict")
+    @classmethod
+    def _not_zero(cls, v):
+        if v == 0:
+            raise ValueError("n_predict must be -1 (no limit) or >= 1")
+        return v
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize``."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+
+
+def parse_json(body: bytes) -> object:
+    """Decode a request body as JSON (UTF-8).
+
+    Raises:
+        APIError: 400 for invalid UTF-8 or malformed JSON.
+    """
+    try:
+        return json.loads(body)  # bytes: json detects UTF-8/16/32 and rejects invalid bytes
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def parse_request(body: bytes, model: type[M]) -> M:
+    """Validate a raw body against ``model``.
+
+    Raises:
+        APIError: 400 ``invalid_request_error`` naming the first bad field in ``param``.
+    """
+    data = parse_json(body)
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """400 from pydantic's most specific error: ``"invalid 'messages.0.role': Input should be ..."``."""
+    errors = e.errors(include_url=False)
+    # the deepest location is the most specific one (for a union, the branch that got furthest)
+    err = max(errors, key=lambda x: len(x["loc"]))
+    # union branches add their type name to loc ("str", "list[int]"); drop those
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+    param = ".".join(loc) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        message = f"missing required field '{param}'"
+    elif err["type"] == "value_error":
+        message = f"invalid '{param}': {msg}" if param else msg
+    else:
+        message = f"invalid '{param}': {msg} (got {_short(err.get('input'))})" if param else msg
+    return bad_request(message, param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, list, dict, type(None))) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,184 @@
+"""Server settings and the state shared by the routes (loading status, generator, queue)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
+from flashdraft.sampling import SamplingParams
+from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.metrics import ServerMetrics
+from flashdraft.server.prompting import PromptBuilder
+from flashdraft.server.scheduler import GenerationJob, Scheduler
+from flashdraft.server.schemas import SamplingFields
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    """Server-wide defaults and switches (from ``flashdraft serve`` flags).
+
+    Sampling defaults are llama-server's (``--temp 0.8 --top-k 40 --top-p 0.95
+    --min-p 0.05``) so a client that sends no sampling fields sees the same behaviour as
+    with llama-server; any field a request sends overrides them.
+
+    Attributes:
+        alias: model id reported by ``/v1/models`` (``--alias``); None = the model's name.
+        model_path: ``-m`` as given (also accepted as a request ``model``).
+        spec_type: drafter kind, for ``/props``.
+        n_predict: server cap on new tokens (``-n``); -1 = none (until EOS or context end).
+        metrics: expose ``/metrics``.
+        api_key: required Bearer token, or None.
+        reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
+        n_parallel: ``-np`` as given; requests queue on one slot for now.
+        max_body_bytes: larger request bodies get 413.
+    """
+
+    alias: str | None = None
+    model_path: str | None = None
+    spec_type: str = "dflash"
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    n_predict: int = -1
+    metrics: bool = False
+    api_key: str | None = None
+    reasoning: str = "auto"
+    n_parallel: int = 1
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def template_kwargs(self) -> dict:
+        """Chat-template variables implied by ``--reasoning``."""
+        return {} if self.reasoning == "auto" else {"enable_thinking": self.reasoning == "on"}
+
+
+@dataclass
+class ServerState:
+    """What the routes share. ``status``: ``loading`` -> ``ready`` | ``failed``."""
+
+    settings: ServerSettings
+    on_load_failed: Callable[[BaseException], None] | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    status: str = "loading"
+    error: str | None = None
+    generator: SpeculativeGenerator | None = None
+    scheduler: Scheduler | None = None
+    prompts: PromptBuilder | None = None
+    model_id: str = ""
+    started: int = field(default_factory=lambda: int(time.time()))
+    _ignored_fields: set[str] = field(default_factory=set)
+
+    # -- loading -------------------------------------------------------------------
+    def load(self, loader: Callable[[], SpeculativeGenerator]) -> None:
+        """Run ``loader`` (on a background thread) and become ready, or ``failed``."""
+        t0 = time.perf_counter()
+        try:
+            generator = loader()
+        except BaseException as e:  # report every failure, then let the CLI exit
+            self.error = f"{type(e).__name__}: {e}"
+            self.status = "failed"
+            log.error("model loading failed: %s", self.error)
+            if self.on_load_failed is not None:
+                self.on_load_failed(e)
+            return
+        self.set_ready(generator)
+        log.info("model loaded in %.1f s; serving %r", time.perf_counter() - t0, self.model_id)
+
+    def set_ready(self, generator: SpeculativeGenerator) -> None:
+        """Start the worker on ``generator`` and accept requests."""
+        self.generator = generator
+        self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs())
+        self.model_id = self.settings.alias or generator.target.name
+        self.scheduler = Scheduler(generator, self.metrics)
+        self.scheduler.start()
+        self.status = "ready"  # last: routes check it before touching the fields above
+
+    def shutdown(self) -> None:
+        """Cancel queued and running jobs and stop the worker."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def require_ready(self) -> None:
+        """Raises APIError 503 while loading (500 if loading failed)."""
+        if self.status == "ready":
+            return
+        if self.status == "failed":
+            raise APIError(500, f"model loading failed: {self.error}", type="server_error", code="load_failed")
+        raise APIError(503, "Loading model", type="unavailable_error", code="model_loading")
+
+    # -- request checks --------------------------------------------------------------
+    def model_names(self) -> set[str]:
+        """Names a request's ``model`` may use: id, alias, ``-m`` path, its file name and stem."""
+        names = {self.model_id, self.generator.target.name if self.generator else ""}
+        if self.settings.alias:
+            names.add(self.settings.alias)
+        if self.settings.model_path:
+            p = Path(self.settings.model_path)
+            names |= {self.settings.model_path, p.name, p.stem}
+        return {n for n in names if n}
+
+    def check_model(self, requested: str | None) -> str:
+        """The model id to report; raises APIError 404 ``model_not_found`` for another name."""
+        if requested and requested not in self.model_names():
+            raise APIError(404, f"The model `{requested}` does not exist. This server serves "
+                                f"`{self.model_id}`.", param="model", code="model_not_found")
+        return self.model_id
+
+    def note_ignored(self, fields: dict | None) -> None:
+        """Log request fields this engine does not use, once per field name (routes all run on
+        the event-loop thread, so the set needs no lock)."""
+        new = sorted(set(fields or {}) - self._ignored_fields)
+        if new:
+            self._ignored_fields.update(new)
+            log.warning("ignoring request field(s) this engine does not use: %s", ", ".join(new))
+
+    def make_job(self, prompt_ids: list[int], max_tokens: int | None, req: SamplingFields,
+                 limit_param: str = "max_tokens", prompt_param: str = "prompt") -> GenerationJob:
+        """Validate a tokenised request against the context and sampling rules.
+
+        Args:
+            max_tokens: the request's limit (None or -1 = none).
+            limit_param / prompt_param: request field names used in error messages.
+        Raises:
+            APIError: 400 for a prompt too long for the context (message with both
+                numbers, code ``context_length_exceeded``), a limit over the context size,
+                or sampling settings the engine refuses.
+        """
+        gen = self.generator
+        try:
+            gen.check_prompt(len(prompt_ids))
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param=prompt_param,
+                           code="context_length_exceeded",
+                           extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.ctx_size}) from None
+        except ValueError as e:
+            raise bad_request(str(e), param=prompt_param) from None
+        if max_tokens is not None and max_tokens > gen.ctx_size:
+            raise bad_request(f"{limit_param}={max_tokens} is larger than the context size ({gen.ctx_size} tokens); "
+                              f"use at most {gen.ctx_size - len(prompt_ids)} for this prompt", param=limit_param)
+        # a limit of "none" still ends at the context end (the loop stops there)
+        limits = [n for n in (max_tokens, self.settings.n_predict) if n is not None and n > 0]
+        limit = min(limits) if limits else gen.ctx_size - len(prompt_ids)
+        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(), req.ignore_eos)
+
+    def sampling(self, req: SamplingFields) -> SamplingParams:
+        """Request sampling fields over the server defaults. Raises APIError 400."""
+        s = self.settings
+        seed = req.seed if req.seed is not None else s.seed
+        try:
+            return SamplingParams(
+                temperature=float(s.temperature if req.temperature is None else req.temperature),
+                top_k=s.top_k if req.top_k is None else req.top_k,
+                top_p=float(s.top_p if req.top_p is None else req.top_p),
+                min_p=float(s.min_p if req.min_p is None else req.min_p),
+                seed=None if seed is None or seed < 0 else seed,
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from None

@@ -1,0 +1,38 @@
+"""Lossless greedy decoding on the real SmolLM2-135M-Instruct GGUF (the packaged default)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
+from flashdraft.generate import SpeculativeGenerator, generate_text
+from flashdraft.prompts import SEED_PROMPTS
+from flashdraft.sampling import SamplingParams
+from flashdraft.target import Target
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target.load()  # packaged default; fails with install instructions if missing
+
+
+def test_default_model_is_the_packaged_smollm2(target):
+    assert target.config.model_type == "llama" and target.num_layers == 30
+    assert target.has_chat_template and 2 in target.eos_token_ids
+
+
+@pytest.mark.parametrize("prompt", SEED_PROMPTS, ids=["task-store", "kv-report", "linked-list"])
+def test_seed_prompts_identical_tokens_for_every_drafter(target, prompt):
+    ids = target.chat_prompt_ids([{"role": "user", "content": prompt}])
+    base = generate_text(SpeculativeGenerator(target), ids, 128, SamplingParams())
+    assert base[3].predicted_n > 0
+    # the shipped drafter when present, else an untrained one: lossless either way
+    dflash = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").exists() else "random"
+    for spec, draft_model in [("ngram", None), ("dflash", dflash)]:
+        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=draft_model), target)
+        out = generate_text(SpeculativeGenerator(target, drafter, n_draft=15), ids, 128, SamplingParams())
+        assert out[1] == base[1], spec
+        assert out[0] == base[0] and out[2] == base[2]
+        assert out[3].draft_n > 0
