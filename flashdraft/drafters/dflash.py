@@ -147,6 +147,12 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(h, config["rms_norm_eps"])
         self.head_dim = self.layers[0].self_attn.head_dim
+        #: optional reduced draft vocabulary: draft index -> target token id ``[V_d]``
+        self.register_buffer("d2t", None)  # a None buffer is left out of state_dict()
+
+    def set_draft_vocab(self, d2t: torch.Tensor | None) -> None:
+        """Restrict drafting to the target ids in ``d2t`` (saved as the ``d2t`` tensor)."""
+        self.d2t = None if d2t is None else d2t.to(torch.long).clone()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Context features ``[..., k*H]`` -> fused ``[..., H]`` (fc + RMSNorm)."""
@@ -209,19 +215,20 @@ def drafter_config_for_target(target_config, num_layers: int = 1, block_size: in
     }
 
 
-def init_from_target(drafter: DFlashDraftModel, target_model) -> None:
-    """Initialise drafter layers from target layers (the ones feeding features).
+def init_from_target(drafter: DFlashDraftModel, target_model, layer_ids: list[int] | None = None) -> None:
+    """Initialise drafter layer i from target layer ``layer_ids[i]``, final norm from the target's.
 
-    Copies attention/MLP/norm weights of target layer ``target_layer_ids[i]`` into drafter
-    layer i (q/k norms stay 1 where the target has none) and the final norm from the
-    target's final norm, so the target's LM head sees inputs on its usual scale.
+    Attention/MLP/norm weights are copied where shapes match (q/k norms stay 1 where the
+    target has none); the final norm is the target's, so the shared LM head sees inputs on
+    its usual scale. ``layer_ids`` defaults to the target's last layers.
     """
     layers = target_model.get_decoder().layers
+    if layer_ids is None:
+        layer_ids = list(range(len(layers) - len(drafter.layers), len(layers)))
     with torch.no_grad():
-        for i, layer in enumerate(drafter.layers):
-            src = layers[drafter.target_layer_ids[min(i, len(drafter.target_layer_ids) - 1)]]
+        for layer, src_id in zip(drafter.layers, layer_ids):
             own = dict(layer.named_parameters())
-            for name, p in src.named_parameters():
+            for name, p in layers[src_id].named_parameters():
                 if name in own and own[name].shape == p.shape:
                     own[name].copy_(p)
         drafter.norm.weight.copy_(target_model.get_decoder().norm.weight)
@@ -287,6 +294,10 @@ class DFlashDrafter(Drafter):
                              f"{embed_tokens.weight.shape[1]}: this drafter was made for another model")
         self.model = model.eval().requires_grad_(False)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        # a reduced draft vocabulary projects onto its rows of the LM head only
+        self.d2t = model.d2t
+        self.head_weight = lm_head.weight if model.d2t is None else lm_head.weight[model.d2t].contiguous()
+        self.vocab_size = lm_head.weight.shape[0]
         self.feature_layer_ids = model.target_layer_ids
         self.max_draft = model.block_size - 1
         self.cross_ctx = cross_ctx
@@ -325,12 +336,17 @@ class DFlashDrafter(Drafter):
         # 2. one bidirectional forward over [context | block]; block K/V are not kept
         ctx = [self.cache.window(i, self.cross_ctx) for i in range(len(self.model.layers))]
         hidden = self.model(x, positions, ctx)[0, 1:]  # [n, H]
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # [n, V]
+        logits = (hidden.to(self.head_weight.dtype) @ self.head_weight.t()).float()  # [n, V_d]
         # 3. draft tokens: argmax at T=0, samples from q (same filters as the target) at T>0
         if params.greedy:
-            return Draft(torch.argmax(logits, dim=-1))
+            idx = torch.argmax(logits, dim=-1)
+            return Draft(idx if self.d2t is None else self.d2t[idx])
         q = filtered_probs(logits, params)
-        return Draft(sample(q, generator), q)
+        idx = sample(q, generator)
+        if self.d2t is None:
+            return Draft(idx, q)
+        full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
+        return Draft(self.d2t[idx], full)
 
 
 def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
@@ -343,7 +359,8 @@ def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> D
 
     config, state = load_dflash_checkpoint(path)
     model = DFlashDraftModel(config)
-    state = {k: v for k, v in state.items() if k != "d2t"}
+    if "d2t" in state:
+        model.set_draft_vocab(state["d2t"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith(("q_norm.weight", "k_norm.weight"))]
     if missing or unexpected:

@@ -1,0 +1,281 @@
+"""Measure a drafter's acceptance on a prompt set: ``flashdraft eval``.
+
+Glossary (DESIGN.md §1; vLLM spec_decode metrics conventions):
+
+- verify step: one target forward over [anchor, drafts]. The prefill's first token is *not*
+  a verify step and is left out of τ and the histogram.
+- τ (``tau``): tokens returned by verify steps / verify steps, bonus included (paper
+  convention; a drafter that is never right gives 1.0). Note: ``Timings.acceptance_length``
+  in the server's timings counts the prefill token as a step, so it reads a little lower.
+- ``tau_drafted``: 1 + accepted drafts / verify steps that carried a draft (vLLM's
+  "mean acceptance length"); differs from τ when the drafter sometimes proposes nothing
+  (n-gram misses, the last step before ``max_tokens``).
+- per-position acceptance: P(draft k accepted | a draft at position k was proposed), k = 1..B-1.
+- histogram: ``histogram[j]`` = verify steps that returned ``j + 1`` tokens, j = 0..B-1.
+  The last step of a sequence that ended on EOS or a stop string is left out of it
+  (``histogram_skipped``): the stop cut its tokens, so its length says nothing about the
+  drafter. ``sum(histogram) + histogram_skipped == verify_steps``.
+
+    flashdraft eval --dataset humaneval --limit 20                 # packaged target + drafter
+    flashdraft eval --target m.gguf --drafter d/ --dataset seed --temperature 0 --json
+    flashdraft eval --dataset sharegpt-heldout --spec-type ngram   # baseline to compare with
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
+from flashdraft.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AcceptanceStats:
+    """Counters summed over prompts (vLLM ``SpecDecodingStats`` style)."""
+
+    prompts: int = 0
+    skipped_prompts: int = 0
+    tokens: int = 0  # returned tokens, prefill's first token included
+    verify_tokens: int = 0  # returned by verify steps only
+    verify_steps: int = 0
+    drafted_steps: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    prompt_tokens: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)
+    histogram_skipped: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def add_counts(self, dst: list[int], src: list[int]) -> None:
+        dst.extend([0] * (len(src) - len(dst)))
+        for k, n in enumerate(src):
+            dst[k] += n
+
+    def add_step_length(self, n_tokens: int) -> None:
+        self.histogram.extend([0] * (n_tokens - len(self.histogram)))
+        self.histogram[n_tokens - 1] += 1
+
+    def to_dict(self, block_size: int) -> dict:
+        """Summary; per-position lists and the histogram are padded to ``block_size - 1`` / ``block_size``.
+
+        Per-position acceptance is None where nothing was drafted at that position.
+        """
+        drafted = self.drafted_per_position + [0] * (block_size - 1 - len(self.drafted_per_position))
+        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
+        return {
+            "prompts": self.prompts,
+            "skipped_prompts": self.skipped_prompts,
+            "tokens": self.tokens,
+            "verify_steps": self.verify_steps,
+            "drafted_steps": self.drafted_steps,
+            "tau": _ratio(self.verify_tokens, self.verify_steps),
+            "tau_drafted": 1.0 + _ratio(self.draft_n_accepted, self.drafted_steps) if self.drafted_steps else None,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+            "acceptance_rate": _ratio(self.draft_n_accepted, self.draft_n),
+            "per_position_acceptance": [_ratio(a, d) if d else None for a, d in zip(accepted, drafted)],
+            "per_position_drafted": drafted,
+            "histogram": self.histogram + [0] * (block_size - len(self.histogram)),
+            "histogram_skipped": self.histogram_skipped,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "decode_tokens_per_second": round(1e3 * self.tokens / self.decode_ms, 3) if self.decode_ms else 0.0,
+            "finish_reasons": dict(self.finish_reasons),
+        }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 4) if b else 0.0
+
+
+def prompt_ids(generator: SpeculativeGenerator, item: dict | str, chat: bool) -> list[int]:
+    """Token ids of one prompt-set item (``{"prompt": str, ...}`` or a plain string).
+
+    ``chat=True`` applies the target's chat template when it has one; a model without one (a
+    base model) gets the plain text, and ``raw_prompt`` (HumanEval's bare function) if the
+    item has it, since a completion model continues code better than an instruction.
+    """
+    item = {"prompt": item} if isinstance(item, str) else item
+    target = generator.target
+    if chat and target.has_chat_template:
+        return target.chat_prompt_ids([{"role": "user", "content": item["prompt"]}])
+    return target.encode(item.get("raw_prompt") or item["prompt"])
+
+
+def evaluate(generator: SpeculativeGenerator, prompts: list[dict | str], max_tokens: int,
+             params: SamplingParams, chat: bool = True, progress: bool = True,
+             ignore_eos: bool = False) -> dict:
+    """Run every prompt through the speculative loop; aggregate acceptance (see module glossary).
+
+    Args:
+        generator: a ready target + drafter (``flashdraft.engine.load_engine``).
+        prompts: prompt-set items (``flashdraft.prompts.load_prompt_set``) or strings.
+        max_tokens: tokens to generate per prompt at most.
+        params: sampling settings. At T > 0 prompt i is sampled with seed ``params.seed + i``
+            (``params.seed`` None counts as 0), so a rerun draws the same samples.
+        chat: wrap prompts with the chat template (when the target has one).
+        progress: show a tqdm bar (stderr) with the running τ.
+        ignore_eos: generate through EOS (fixed-length runs).
+    Returns:
+        A dict of :meth:`AcceptanceStats.to_dict` plus ``temperature``, ``max_tokens``,
+        ``block_size`` (1 + the longest draft a step may carry) and ``wall_s``. Token
+        counts are tokens, times ms (``wall_s`` in seconds), speed tokens/s.
+    Raises:
+        ValueError: ``max_tokens < 1``. A prompt too long for the context is skipped with a
+            warning and counted in ``skipped_prompts``.
+    """
+    from tqdm import tqdm
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    max_draft = generator.drafter.max_draft
+    n_draft = generator.n_draft if max_draft is None else min(generator.n_draft, max_draft)
+    block_size = 1 + (n_draft if generator.drafting else 0)
+    stats = AcceptanceStats()
+    t0 = time.perf_counter()
+    bar = tqdm(prompts, disable=not progress, unit="prompt", dynamic_ncols=True,
+               desc=f"T={params.temperature:g}")
+    for i, item in enumerate(bar):
+        seeded = dataclasses.replace(params, seed=(params.seed or 0) + i) if not params.greedy else params
+        ids = prompt_ids(generator, item, chat)
+        try:
+            _run_one(generator, ids, max_tokens, seeded, ignore_eos, stats)
+        except ContextOverflowError as e:
+            log.warning("skipping prompt %s: %s", item.get("id", i) if isinstance(item, dict) else i, e)
+            stats.skipped_prompts += 1
+            continue
+        bar.set_postfix(tau=f"{_ratio(stats.verify_tokens, stats.verify_steps):.2f}", refresh=False)
+    return {"temperature": params.temperature, "max_tokens": max_tokens, "block_size": block_size,
+            **stats.to_dict(block_size), "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def _run_one(generator: SpeculativeGenerator, ids: list[int], max_tokens: int, params: SamplingParams,
+             ignore_eos: bool, stats: AcceptanceStats) -> None:
+    """One prompt: step lengths go to the histogram, the final Timings to the counters."""
+    steps = list(generator.generate(ids, max_tokens, params, ignore_eos=ignore_eos))
+    # steps[0] is the prefill's token; every later Step is exactly one verify step
+    last = steps[-1]
+    for step in steps[1:]:
+        stats.verify_steps += 1
+        stats.verify_tokens += len(step.token_ids)
+        if step is last and last.finish_reason == "stop":
+            stats.histogram_skipped += 1  # cut by EOS / a stop string: true length unknown
+        else:
+            stats.add_step_length(len(step.token_ids))
+    t = last.timings
+    stats.prompts += 1
+    stats.tokens += t.predicted_n
+    stats.drafted_steps += t.n_drafts
+    stats.draft_n += t.draft_n
+    stats.draft_n_accepted += t.draft_n_accepted
+    stats.prompt_tokens += t.prompt_n
+    stats.prompt_ms += t.prompt_ms
+    stats.decode_ms += t.predicted_ms
+    stats.add_counts(stats.accepted_per_position, t.accepted_per_position)
+    stats.add_counts(stats.drafted_per_position, t.drafted_per_position)
+    stats.finish_reasons[last.finish_reason] = stats.finish_reasons.get(last.finish_reason, 0) + 1
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_report(result: dict) -> str:
+    """A readable block for one temperature: summary line, per-position row, histogram."""
+    r = result
+    tau_d = f"{r['tau_drafted']:.2f}" if r["tau_drafted"] is not None else "-"
+    lines = [
+        f"T={r['temperature']:g}  tau {r['tau']:.2f} (over drafted steps {tau_d})  "
+        f"prompts {r['prompts']}" + (f" (+{r['skipped_prompts']} skipped)" if r["skipped_prompts"] else "")
+        + f"  tokens {r['tokens']}  verify steps {r['verify_steps']}  "
+        f"drafts accepted {r['draft_n_accepted']}/{r['draft_n']} ({100 * r['acceptance_rate']:.1f}%)  "
+        f"decode {r['decode_tokens_per_second']:.1f} tokens/s",
+    ]
+    accept = r["per_position_acceptance"]
+    if accept:
+        lines.append("  position k      " + "".join(f"{k:>6}" for k in range(1, len(accept) + 1)))
+        lines.append("  P(accept k)     " + "".join(f"{a:>6.2f}" if a is not None else f"{'-':>6}" for a in accept))
+    hist = r["histogram"]
+    lines.append("  tokens/step     " + "".join(f"{n:>6}" for n in range(1, len(hist) + 1)))
+    lines.append("  verify steps    " + "".join(f"{c:>6}" for c in hist)
+                 + (f"   (+{r['histogram_skipped']} cut by a stop)" if r["histogram_skipped"] else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``flashdraft eval`` (model flags shared with generate/bench, plus aliases)."""
+    from flashdraft.cli import add_model_arguments
+
+    add_model_arguments(p)
+    # aliases writing the same dest as -m / -md (argparse allows several options per dest)
+    p.add_argument("--target", dest="model", default=argparse.SUPPRESS,
+                   help="target model (same as -m/--model; default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", dest="spec_draft_model", default=argparse.SUPPRESS,
+                   help="drafter (same as -md/--spec-draft-model; default with the packaged target: "
+                        "the shipped DFlash drafter)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="DFlash block size B: draft B-1 tokens per step (overrides --spec-draft-n-max)")
+    p.add_argument("--dataset", default="humaneval",
+                   help="prompt set: humaneval, sharegpt-heldout, seed, or a .jsonl file (default: humaneval)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per prompt at most (default: 128)")
+    p.add_argument("--temperature", "--temp", type=float, nargs="+", default=[0.0, 0.7],
+                   help="temperatures to run (default: 0 0.7)")
+    p.add_argument("--seed", type=int, default=0, help="base seed at T>0: prompt i uses seed+i (default: 0)")
+    p.add_argument("--no-chat", action="store_true", help="send prompts as plain text, without the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens even past EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def run(args) -> int:
+    """``flashdraft eval``: load once, evaluate each temperature, print a table or JSON."""
+    import torch
+
+    from flashdraft.cli import engine_config
+    from flashdraft.engine import load_engine
+    from flashdraft.prompts import load_prompt_set
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.block_size is not None:
+        if args.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2 (an anchor and at least one draft), got {args.block_size}")
+        args.spec_draft_n_max = args.block_size - 1
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    params = [SamplingParams(temperature=t, seed=args.seed) for t in args.temperature]  # validates T
+    prompts = load_prompt_set(args.dataset, args.limit)
+    generator = load_engine(engine_config(args))
+    drafter = args.spec_draft_model or ("(shipped default)" if args.spec_type == "dflash" and not args.model else None)
+    header = {"target": generator.target.name, "spec_type": args.spec_type, "drafter": drafter,
+              "dataset": args.dataset, "n_prompts": len(prompts), "max_tokens": args.max_tokens}
+    if not args.json:
+        print(f"flashdraft eval: target {header['target']}, --spec-type {args.spec_type}"
+              + (f" ({drafter})" if drafter else "") + f", {args.dataset} x {len(prompts)} prompts, "
+              f"max {args.max_tokens} tokens")
+    results = []
+    for p in params:
+        result = evaluate(generator, prompts, args.max_tokens, p, chat=not args.no_chat,
+                          ignore_eos=args.ignore_eos)
+        results.append(result)
+        if not args.json:
+            print(format_report(result), flush=True)
+    if args.json:
+        print(json.dumps({**header, "results": results}))
+    return 0

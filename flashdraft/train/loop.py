@@ -1,0 +1,274 @@
+"""Training loop for a DFlash drafter on a CPU (or any torch device), resumable.
+
+Data: shards written by ``flashdraft.train.data`` (prompt ids + target-regenerated
+response ids). Shards are re-read at every epoch, so training can run while
+regeneration is still adding data. Target features are computed once per sequence and
+kept (fp16) in memory, so later epochs cost only the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_target_layer_ids,
+                                        drafter_config_for_target, init_from_target)
+from flashdraft.generate import SpeculativeGenerator, generate_text
+from flashdraft.sampling import SamplingParams
+from flashdraft.target import Target
+from flashdraft.train.objective import cosine_lr, default_gamma, dflash_loss, sample_anchors
+
+log = logging.getLogger(__name__)
+
+#: ``<empty_output>`` — a pretraining-only special token of SmolLM2 that chat never uses
+SMOLLM2_MASK_TOKEN_ID = 16
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters (defaults: the CPU recipe recorded in the shipped model card)."""
+
+    data_dir: str
+    out_dir: str
+    target: str | None = None
+    num_layers: int = 1
+    num_feature_layers: int = 3
+    block_size: int = 16
+    blocks_per_step: int = 32
+    steps: int = 6000
+    max_hours: float | None = None
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    draft_vocab: int = 8192
+    mask_token_id: int | None = None
+    seed: int = 0
+    bf16: bool = True
+    checkpoint_minutes: float = 5.0
+    eval_minutes: float = 20.0
+    eval_prompts: int = 6
+    eval_tokens: int = 64
+    feature_cache_gb: float = 6.0
+    init_layers: list[int] = field(default_factory=list)
+
+
+def read_shards(data_dir: Path) -> list[tuple[str, torch.Tensor, int]]:
+    """All regenerated sequences: ``(id, ids [T] int64, n_prompt)``, shards in name order."""
+    seqs = []
+    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
+        for line in shard.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            if len(rec["response_ids"]) < 2:
+                continue
+            ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"], dtype=torch.long)
+            seqs.append((rec["id"], ids, len(rec["prompt_ids"])))
+    return seqs
+
+
+def draft_vocabulary(seqs, size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` most frequent response tokens (plus ``always``), sorted: ``d2t [V_d]``."""
+    counts = Counter()
+    for _, ids, n_prompt in seqs:
+        counts.update(ids[n_prompt:].tolist())
+    top = [t for t, _ in counts.most_common(size)]
+    vocab = sorted(set(top[: size - len(always - set(top))]) | always)
+    return torch.tensor(vocab, dtype=torch.long)
+
+
+class Trainer:
+    """Owns target, drafter, optimiser and checkpoints; see :meth:`train`."""
+
+    def __init__(self, cfg: TrainConfig, target: Target | None = None):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.target = target or Target.load(cfg.target)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.features: dict[str, torch.Tensor] = {}
+        self.feature_bytes = 0
+        self.seqs = read_shards(Path(cfg.data_dir))
+        if not self.seqs:
+            raise ValueError(f"no training sequences in {cfg.data_dir}: run the regeneration first")
+        ckpt = self.out / "checkpoint.pt"
+        state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
+        self.drafter = self._build_drafter(state)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.step, self.tokens_seen, self.epoch, self.order_pos = 0, 0, 0, 0
+        if state:
+            self.opt.load_state_dict(state["optimizer"])
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.epoch, self.order_pos = state["epoch"], state["order_pos"]
+            self.gen.set_state(state["rng"])
+            log.info("resumed from %s at step %d", ckpt, self.step)
+        self.target.set_feature_layers(self.drafter.target_layer_ids)
+        emb = self.target.embed_tokens.weight.detach()
+        self.embed_weight = emb
+        head = self.target.lm_head.weight.detach()
+        d2t = self.drafter.d2t
+        self.head_weight = head if d2t is None else head[d2t].contiguous()
+        self.t2d = None
+        if d2t is not None:
+            self.t2d = torch.full((head.shape[0],), -1, dtype=torch.long)
+            self.t2d[d2t] = torch.arange(d2t.shape[0])
+
+    def _build_drafter(self, state) -> DFlashDraftModel:
+        cfg, t = self.cfg, self.target
+        if state:
+            model = DFlashDraftModel(state["config"])
+            if state.get("d2t") is not None:
+                model.set_draft_vocab(state["d2t"])
+            model.load_state_dict(state["model"])
+            return model
+        mask = cfg.mask_token_id
+        if mask is None:
+            mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
+        layer_ids = build_target_layer_ids(t.num_layers, cfg.num_feature_layers)
+        config = drafter_config_for_target(t.config, cfg.num_layers, cfg.block_size, mask, layer_ids)
+        model = DFlashDraftModel(config)
+        # the last target layers map hidden states into the LM head's input space
+        init = cfg.init_layers or list(range(t.num_layers - cfg.num_layers, t.num_layers))
+        init_from_target(model, t.model, init)
+        if cfg.draft_vocab:
+            model.set_draft_vocab(draft_vocabulary(self.seqs, cfg.draft_vocab, t.eos_token_ids | {mask}))
+        return model
+
+    # -- data -------------------------------------------------------------------------
+    def _features(self, seq_id: str, ids: torch.Tensor) -> torch.Tensor:
+        """Target context features ``[T, k*H]`` of a sequence (cached as fp16)."""
+        f = self.features.get(seq_id)
+        if f is None:
+            _, f = self.target.forward(ids, self.target.new_cache(), logits_from=ids.shape[0] - 1)
+            f = f.to(torch.float16)
+            if self.feature_bytes + f.numel() * 2 < self.cfg.feature_cache_gb * 2**30:
+                self.features[seq_id] = f
+                self.feature_bytes += f.numel() * 2
+        return f.float()
+
+    def _order(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.cfg.seed + self.epoch)
+        return torch.randperm(len(self.seqs), generator=g)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self) -> None:
+        """Checkpoint (resume state) and the current drafter in SpecForge layout (fp16)."""
+        from flashdraft.drafters.dflash_format import save_specforge
+
+        state = {"config": self.drafter.config, "model": self.drafter.state_dict(), "d2t": self.drafter.d2t,
+                 "optimizer": self.opt.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen,
+                 "epoch": self.epoch, "order_pos": self.order_pos, "rng": self.gen.get_state(),
+                 "train_config": asdict(self.cfg)}
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "checkpoint.pt")
+        save_specforge(self.out / "drafter", self.drafter.config, self.drafter.state_dict())
+
+    def evaluate(self) -> dict:
+        """Held-out acceptance length τ at T=0 on a few prompts of each held-out set."""
+        from flashdraft.prompts import load_prompt_set
+
+        was_training = self.drafter.training
+        drafter = DFlashDrafter(self.drafter, self.target.embed_tokens, self.target.lm_head)
+        gen = SpeculativeGenerator(self.target, drafter, n_draft=self.cfg.block_size - 1)
+        result = {}
+        for name in ("sharegpt-heldout", "humaneval"):
+            produced = steps = 0
+            for p in load_prompt_set(name, limit=self.cfg.eval_prompts):
+                ids = self.target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])
+                _, _, _, t = generate_text(gen, ids, self.cfg.eval_tokens, SamplingParams())
+                produced, steps = produced + t.predicted_n, steps + t.n_steps
+            result[f"tau_{name}"] = round(produced / max(1, steps), 4)
+        self.drafter.train(was_training).requires_grad_(True)
+        self.target.set_feature_layers(self.drafter.target_layer_ids)
+        return result
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Run until ``steps`` or ``max_hours``; checkpoints every few minutes and on SIGTERM."""
+        cfg = self.cfg
+        self.drafter.train().requires_grad_(True)
+        gamma = default_gamma(cfg.block_size)
+        deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
+        stop = {"flag": False}
+        old = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+        log_file = open(self.out / "train_log.jsonl", "a")
+        last_ckpt = last_eval = time.time()
+        B = cfg.block_size
+        correct, counted, loss_avg = torch.zeros(B - 1), torch.zeros(B - 1), None
+        order = self._order()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        t_window, rows_window = time.time(), 0
+        try:
+            while self.step < cfg.steps and time.time() < deadline and not stop["flag"]:
+                if self.order_pos >= len(order):  # new epoch: pick up newly regenerated data
+                    self.epoch, self.order_pos = self.epoch + 1, 0
+                    self.seqs = read_shards(Path(cfg.data_dir))
+                    order = self._order()
+                seq_id, ids, n_prompt = self.seqs[int(order[self.order_pos])]
+                self.order_pos += 1
+                anchors = sample_anchors(n_prompt, ids.shape[0], cfg.blocks_per_step, self.gen)
+                if anchors.numel() == 0:
+                    continue
+                feats = self._features(seq_id, ids)
+                for group in self.opt.param_groups:
+                    group["lr"] = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    loss, c, n = dflash_loss(self.drafter, feats, ids, anchors, self.embed_weight,
+                                             self.head_weight, self.t2d, gamma)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+                self.opt.step()
+                self.step += 1
+                rows = anchors.numel() * B
+                self.tokens_seen += rows
+                rows_window += rows
+                correct, counted = 0.98 * correct + c, 0.98 * counted + n
+                loss_avg = float(loss) if loss_avg is None else 0.98 * loss_avg + 0.02 * float(loss)
+                acc = correct / counted.clamp(min=1)
+                bar.update(1)
+                if self.step % 10 == 0:
+                    rate = rows_window / (time.time() - t_window)
+                    t_window, rows_window = time.time(), 0
+                    bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}",
+                                    acc_mean=f"{acc.mean():.2f}", tok_s=f"{rate:.0f}", ep=self.epoch)
+                    log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "loss": loss_avg,
+                                               "acc": [round(float(a), 4) for a in acc], "tok_s": rate,
+                                               "epoch": self.epoch, "sequences": len(self.seqs),
+                                               "time": time.time()}) + "\n")
+                    log_file.flush()
+                if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes:
+                    self.save()
+                    last_ckpt = time.time()
+                if cfg.eval_minutes and time.time() - last_eval > 60 * cfg.eval_minutes:
+                    self._log_eval(log_file)
+                    last_eval = time.time()
+        finally:
+            bar.close()
+            self.save()
+            signal.signal(signal.SIGTERM, old)
+        result = self._log_eval(log_file) if cfg.eval_minutes else {}
+        log_file.close()
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **result}
+
+    def _log_eval(self, log_file) -> dict:
+        result = self.evaluate()
+        log.info("step %d: held-out %s", self.step, result)
+        log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "eval": result,
+                                   "time": time.time()}) + "\n")
+        log_file.flush()
+        return result

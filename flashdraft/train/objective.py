@@ -1,0 +1,129 @@
+"""The DFlash training objective (arXiv 2602.06036 §4.2 and App. A.1).
+
+One target forward per sequence gives the context features. Many blocks of one sequence
+share one drafter forward: block j starts at a random *anchor* ``a_j`` inside the response
+(clean anchor token + ``B-1`` mask tokens); it sees the context strictly before its
+anchor and itself bidirectionally, never another block. Position k of a block predicts
+token ``a_j + k`` with cross-entropy weighted ``exp(-(k-1)/gamma)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.drafters.dflash import DFlashDraftModel
+
+IGNORE = -100
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay of the paper: 7 for B=16, 5 for B=10, 4 for B=8 (interpolated otherwise)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 0.45 * block_size))
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """``[B-1]`` weights ``w_k = exp(-(k-1)/gamma)`` for block positions k = 1..B-1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(n_prompt: int, seq_len: int, n_blocks: int, generator: torch.Generator) -> torch.Tensor:
+    """Random distinct anchors among response positions, sorted.
+
+    An anchor at position a needs a label at a+1, so anchors lie in ``[n_prompt, seq_len-2]``
+    (the first response token is the first anchor at inference: it is the first bonus token).
+    Returns ``[K]`` int64 with ``K = min(n_blocks, available)`` (0 when the response is too short).
+    """
+    lo, hi = n_prompt, seq_len - 2
+    if hi < lo:
+        return torch.empty(0, dtype=torch.long)
+    count = hi - lo + 1
+    pick = torch.randperm(count, generator=generator)[: min(n_blocks, count)]
+    return (lo + pick).sort().values
+
+
+def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """Inputs, positions and labels of the blocks at ``anchors``.
+
+    Args:
+        ids: ``[T]`` token ids of prompt + response.
+        anchors: ``[K]`` anchor positions.
+    Returns:
+        ``(block_ids [K*B], positions [K*B], labels [K*B])``; labels are ``IGNORE`` at each
+        block's anchor position and past the end of the sequence.
+    """
+    B, T = block_size, ids.shape[0]
+    positions = (anchors[:, None] + torch.arange(B)[None]).reshape(-1)  # [K*B]
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[::B] = ids[anchors]
+    labels = torch.where(positions < T, ids[positions.clamp(max=T - 1)], torch.full_like(positions, IGNORE))
+    labels[::B] = IGNORE
+    return block_ids, positions, labels
+
+
+def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Visibility of the packed blocks: ``[K*B, ctx_len + K*B]`` bool, True = may attend.
+
+    Query rows of block j see context columns ``p < a_j`` and the B columns of block j.
+    """
+    K, B = anchors.shape[0], block_size
+    block_of_row = torch.arange(K * B) // B  # [K*B]
+    ctx = torch.arange(ctx_len)[None, :] < anchors[block_of_row][:, None]  # [K*B, T]
+    own = block_of_row[:, None] == block_of_row[None, :]  # [K*B, K*B]
+    return torch.cat([ctx, own], dim=1)
+
+
+def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
+                embed_weight: torch.Tensor, head_weight: torch.Tensor, t2d: torch.Tensor | None,
+                gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted block cross-entropy for one sequence.
+
+    Args:
+        features: ``[T, k*H]`` target context features (layers ``target_layer_ids``).
+        ids: ``[T]`` token ids.
+        anchors: ``[K]`` anchors (see :func:`sample_anchors`).
+        embed_weight: ``[V, H]`` the target's (frozen) embedding table.
+        head_weight: ``[V_d, H]`` rows of the target's (frozen) LM head: all of it, or the
+            reduced draft vocabulary.
+        t2d: ``[V]`` target id -> draft index (-1 outside the draft vocabulary), or None.
+        gamma: loss decay.
+    Returns:
+        ``(loss, correct [B-1], counted [B-1])``: the scalar loss and, per block position,
+        how many labels the drafter's argmax got right out of how many there were.
+    """
+    B = drafter.block_size
+    block_ids, positions, labels = build_blocks(ids, anchors, B, drafter.mask_token_id)
+    T = ids.shape[0]
+    # 1. context K/V from fused features at their own positions (once for all blocks)
+    fused = drafter.fuse(features[None])  # [1, T, H]
+    ctx_kv = drafter.context_kv(fused, torch.arange(T)[None])
+    # 2. every block in one forward, isolated by the mask
+    mask = block_attention_mask(anchors, T, B)[None, None]
+    x = F.embedding(block_ids, embed_weight)[None]
+    hidden = drafter(x, positions[None], ctx_kv, mask)[0]  # [K*B, H]
+    logits = hidden @ head_weight.t()  # [K*B, V_d]
+    # 3. labels in draft-vocabulary indices; tokens outside it cannot be predicted
+    target = labels if t2d is None else torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
+    target = torch.where(target < 0, torch.full_like(target, IGNORE), target)
+    ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")  # [K*B]
+    k = torch.arange(block_ids.shape[0]) % B  # block position of every row
+    w = torch.cat([torch.zeros(1), loss_weights(B, gamma)])[k] * (target != IGNORE)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        valid = labels != IGNORE
+        hit = (logits.argmax(-1) == target) & valid
+        correct = torch.zeros(B).index_add_(0, k, hit.float())[1:]
+        counted = torch.zeros(B).index_add_(0, k, valid.float())[1:]
+    return loss, correct, counted
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup_frac: float = 0.04) -> float:
+    """Linear warmup for ``warmup_frac`` of ``total`` steps, then cosine decay to 0."""
+    warm = max(1, int(total * warmup_frac))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
