@@ -5,16 +5,20 @@ Glossary (DESIGN.md §1; vLLM spec_decode metrics conventions):
 - verify step: one target forward over [anchor, drafts]. The prefill's first token is *not*
   a verify step and is left out of τ and the histogram.
 - τ (``tau``): tokens returned by verify steps / verify steps, bonus included (paper
-  convention; a drafter that is never right gives 1.0). Note: ``Timings.acceptance_length``
-  in the server's timings counts the prefill token as a step, so it reads a little lower.
+  convention; a drafter that is never right gives 1.0), over the steps in the histogram,
+  so τ is the histogram's mean. Note: ``Timings.acceptance_length`` in the server's
+  timings counts the prefill token as a step, so it reads a little lower.
 - ``tau_drafted``: 1 + accepted drafts / verify steps that carried a draft (vLLM's
   "mean acceptance length"); differs from τ when the drafter sometimes proposes nothing
   (n-gram misses, the last step before ``max_tokens``).
-- per-position acceptance: P(draft k accepted | a draft at position k was proposed), k = 1..B-1.
+- per-position acceptance: P(draft k accepted | a draft at position k was proposed), k = 1..B-1,
+  from the engine's ``Timings`` counters, which count a draft as accepted only if it was
+  returned: drafts after an EOS/stop inside the last step count as rejected.
 - histogram: ``histogram[j]`` = verify steps that returned ``j + 1`` tokens, j = 0..B-1.
   The last step of a sequence that ended on EOS or a stop string is left out of it
-  (``histogram_skipped``): the stop cut its tokens, so its length says nothing about the
-  drafter. ``sum(histogram) + histogram_skipped == verify_steps``.
+  (``histogram_skipped``), and so out of τ: the stop cut its tokens (an EOS bonus leaves
+  0), so its length says nothing about the drafter.
+  ``sum(histogram) + histogram_skipped == verify_steps``.
 
     flashdraft eval --dataset humaneval --limit 20                 # packaged target + drafter
     flashdraft eval --target m.gguf --drafter d/ --dataset seed --temperature 0 --json
@@ -43,7 +47,7 @@ class AcceptanceStats:
     prompts: int = 0
     skipped_prompts: int = 0
     tokens: int = 0  # returned tokens, prefill's first token included
-    verify_tokens: int = 0  # returned by verify steps only
+    verify_tokens: int = 0  # returned by the verify steps counted in the histogram
     verify_steps: int = 0
     drafted_steps: int = 0
     draft_n: int = 0
@@ -79,7 +83,7 @@ class AcceptanceStats:
             "tokens": self.tokens,
             "verify_steps": self.verify_steps,
             "drafted_steps": self.drafted_steps,
-            "tau": _ratio(self.verify_tokens, self.verify_steps),
+            "tau": _ratio(self.verify_tokens, sum(self.histogram)),
             "tau_drafted": 1.0 + _ratio(self.draft_n_accepted, self.drafted_steps) if self.drafted_steps else None,
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
@@ -156,7 +160,7 @@ def evaluate(generator: SpeculativeGenerator, prompts: list[dict | str], max_tok
             log.warning("skipping prompt %s: %s", item.get("id", i) if isinstance(item, dict) else i, e)
             stats.skipped_prompts += 1
             continue
-        bar.set_postfix(tau=f"{_ratio(stats.verify_tokens, stats.verify_steps):.2f}", refresh=False)
+        bar.set_postfix(tau=f"{_ratio(stats.verify_tokens, sum(stats.histogram)):.2f}", refresh=False)
     return {"temperature": params.temperature, "max_tokens": max_tokens, "block_size": block_size,
             **stats.to_dict(block_size), "wall_s": round(time.perf_counter() - t0, 3)}
 
@@ -169,10 +173,10 @@ def _run_one(generator: SpeculativeGenerator, ids: list[int], max_tokens: int, p
     last = steps[-1]
     for step in steps[1:]:
         stats.verify_steps += 1
-        stats.verify_tokens += len(step.token_ids)
         if step is last and last.finish_reason == "stop":
             stats.histogram_skipped += 1  # cut by EOS / a stop string: true length unknown
         else:
+            stats.verify_tokens += len(step.token_ids)
             stats.add_step_length(len(step.token_ids))
     t = last.timings
     stats.prompts += 1

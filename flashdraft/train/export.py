@@ -17,7 +17,6 @@ An optional ``d2t`` tensor (reduced draft vocabulary: draft index -> target toke
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
 import torch
@@ -25,7 +24,6 @@ import torch
 from flashdraft.drafters.dflash import DFlashDraftModel
 from flashdraft.drafters.dflash_format import GGUF_ARCHS, load_dflash_checkpoint, save_gguf, save_specforge
 
-log = logging.getLogger(__name__)
 
 FORMATS = ("specforge", "gguf")
 #: ``--dtype`` name -> what the writers take; ``q8_0`` exists only in GGUF

@@ -1,0 +1,72 @@
+"""The one interface every benchmarked configuration implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashdraft.bench.measure import Generation
+from flashdraft.sampling import SamplingParams
+
+#: every configuration ``--configs`` accepts, in report order
+ALL_CONFIGS = ("none", "dflash", "ngram", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+               "llamacpp", "llamacpp-lookup")
+
+DESCRIPTIONS = {
+    "none": "flashdraft, no drafter (baseline)",
+    "dflash": "flashdraft, DFlash block-diffusion drafter",
+    "ngram": "flashdraft, prompt-lookup (n-gram) drafter",
+    "draft": "flashdraft, autoregressive draft model",
+    "hf": "transformers generate()",
+    "hf-lookup": "transformers generate(prompt_lookup_num_tokens=...)",
+    "hf-dflash": "transformers generate(assistant_model=<our drafter>, speculation_type='dflash')",
+    "hf-draft": "transformers generate(assistant_model=<draft model>)",
+    "llamacpp": "llama.cpp (llama-cpp-python) on the same GGUF",
+    "llamacpp-lookup": "llama.cpp (llama-cpp-python) with LlamaPromptLookupDecoding",
+}
+
+
+@dataclass
+class BenchPrompt:
+    """One prompt as every configuration receives it.
+
+    Attributes:
+        id: prompt id from its set (``seed/0``, ``HumanEval/3``, ...).
+        set: prompt-set name as given to ``--prompts``.
+        text: the user message.
+        ids: token ids of the chat-formatted prompt (None in ``--url`` mode, where the
+            server applies its own template).
+        max_tokens: generation cap for this prompt's set.
+    """
+
+    id: str
+    set: str
+    text: str
+    ids: list[int] | None
+    max_tokens: int
+
+
+class Contender:
+    """A configuration that can generate for a :class:`BenchPrompt`.
+
+    Subclasses set ``name``, ``kind`` (``ours`` | ``peer`` | ``server``) and ``description``.
+    """
+
+    name = "?"
+    kind = "ours"
+    description = ""
+
+    def activate(self) -> None:
+        """Called before each of this configuration's runs (configurations share one target)."""
+
+    def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
+        """Generate once, timed. Raises whatever the underlying engine raises."""
+        raise NotImplementedError
+
+
+@dataclass
+class Unavailable:
+    """A configuration that was asked for (or is in the default list) but cannot run here."""
+
+    name: str
+    kind: str
+    reason: str

@@ -1,0 +1,80 @@
+"""Our engine's configurations: ``none``, ``dflash``, ``ngram``, ``draft``.
+
+All of them share one loaded :class:`Target`; each has its own drafter and generator.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Unavailable
+from flashdraft.bench.measure import Generation, counts_from_timings
+from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
+from flashdraft.generate import SpeculativeGenerator
+from flashdraft.sampling import SamplingParams
+from flashdraft.target import Target
+
+OURS = ("none", "dflash", "ngram", "draft")
+
+
+class EngineContender(Contender):
+    """One :class:`SpeculativeGenerator`; times each :class:`Step` as it arrives."""
+
+    kind = "ours"
+
+    def __init__(self, name: str, generator: SpeculativeGenerator):
+        self.name, self.description = name, DESCRIPTIONS[name]
+        self.generator = generator
+
+    def activate(self) -> None:
+        # generators share the target, whose feature hooks belong to the last one built
+        g = self.generator
+        g.target.set_feature_layers(g.drafter.feature_layer_ids)
+
+    def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
+        g = self.generator
+        ids, parts, first, last, finish, timings = [], [], None, None, None, None
+        t0 = time.perf_counter()
+        for step in g.generate(prompt.ids, prompt.max_tokens, params):
+            last = time.perf_counter()
+            first = first or last  # the first step arrives right after prefill
+            ids.extend(step.token_ids)
+            parts.append(step.text)
+            finish, timings = step.finish_reason, step.timings or timings
+        spec = counts_from_timings(timings) if g.drafting and timings is not None else None
+        return Generation(text="".join(parts), token_ids=ids, prompt_tokens=len(prompt.ids),
+                          completion_tokens=len(ids), ttft_ms=1e3 * (first - t0), total_ms=1e3 * (last - t0),
+                          finish_reason=finish, spec=spec)
+
+
+def dflash_drafter_path(model: str | None, drafter: str | None) -> str | None:
+    """The DFlash drafter to use: ``-md`` if given, else the shipped one for the default target."""
+    if drafter:
+        return drafter
+    if model is None and (Path(DEFAULT_DRAFTER_DIR) / "config.json").exists():
+        return str(DEFAULT_DRAFTER_DIR)
+    return None
+
+
+def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str | None) -> Contender | Unavailable:
+    """Our configuration ``name`` on ``target``, or why it cannot run.
+
+    Args:
+        base: engine settings from the command line (n_draft, ctx_size, cross_ctx, drafter).
+        draft_model: path of the autoregressive draft model for ``draft`` (``--draft-model``).
+    """
+    cfg = EngineConfig(model=base.model, spec_type=name, n_draft=base.n_draft, ctx_size=base.ctx_size,
+                       cross_ctx=base.cross_ctx, ngram_max=base.ngram_max, ngram_min=base.ngram_min,
+                       dtype=base.dtype)
+    if name == "dflash":
+        cfg.draft_model = dflash_drafter_path(base.model, base.draft_model)
+        if cfg.draft_model is None:
+            return Unavailable(name, "ours", "no DFlash drafter for this target: pass -md PATH "
+                                             "(train one with `flashdraft train`)")
+    elif name == "draft":
+        if not draft_model:
+            return Unavailable(name, "ours", "no draft model: pass --draft-model PATH")
+        cfg.draft_model = draft_model
+    # warm-up is the runner's job: it runs every configuration the same way
+    return EngineContender(name, load_engine(cfg, target=target, warmup=False))

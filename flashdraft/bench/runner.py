@@ -1,0 +1,331 @@
+"""``flashdraft bench``: baseline vs drafters vs peer engines, one process, one run.
+
+Method (why each rule is there):
+
+1. Everything runs in this process on one loaded target, with the same prompt token ids,
+   so configurations differ only in how they decode.
+2. Every configuration first generates a few tokens that are not measured (warm-up): the
+   first forwards of a process are several times slower on CPU.
+3. Each repeat (*pass*) runs every prompt through every configuration before the next
+   repeat starts, and the configuration order rotates between passes: slow drift of the
+   machine (heat, a background job) then hits all configurations alike.
+4. Greedy runs are compared token by token with the baseline (``none``; in ``--url`` mode
+   the first server), which checks losslessness on the way.
+
+``--url`` benchmarks running servers instead of loading anything (see :mod:`.remote`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from flashdraft.bench.contender import ALL_CONFIGS, BenchPrompt, Contender, Unavailable
+from flashdraft.bench.stats import RunRecord, summarize
+from flashdraft.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: prompt sets whose default ``--max-tokens`` is the seed guide's 1200
+LONG_SETS = ("seed",)
+LONG_MAX_TOKENS, DEFAULT_MAX_TOKENS = 1200, 256
+#: the per-prompt table is printed by default up to this many prompts per set
+PER_PROMPT_AUTO = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``flashdraft bench``."""
+    from flashdraft.cli import add_model_arguments
+
+    add_model_arguments(p)
+    # bench runs every drafting method side by side; --spec-type would mean nothing here
+    p._option_string_actions["--spec-type"].help = argparse.SUPPRESS
+    p._option_string_actions["-md"].help = ("DFlash drafter for `dflash` and `hf-dflash`: SpecForge dir, GGUF or "
+                                            "random[:LAYERS] (default: the shipped one for the default target)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="autoregressive draft model (same tokenizer) for the `draft` and `hf-draft` configurations")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}")
+    p.add_argument("--prompts", default="seed",
+                   help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout or FILE.jsonl (default: seed)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    p.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help=f"tokens to generate per prompt (default: {LONG_MAX_TOKENS} for seed, {DEFAULT_MAX_TOKENS} otherwise)")
+    p.add_argument("--temperature", "--temp", default="0",
+                   help="comma-separated temperatures, 0 = greedy (default: 0; the guide also uses 0.7)")
+    p.add_argument("--top-k", type=int, default=64, help="top-k at temperature > 0 (default: 64, the guide's)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p at temperature > 0 (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p at temperature > 0 (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (default: 0)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the prompts per configuration (default: 3)")
+    p.add_argument("--warmup-tokens", type=int, default=8,
+                   help="tokens each configuration generates, unmeasured, before the first pass (default: 8)")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="write every run and the summary as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="tokens/s per configuration + acceptance histogram")
+    p.add_argument("--per-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"print a per-prompt table (default: when a set has at most {PER_PROMPT_AUTO} prompts)")
+    r = p.add_argument_group("remote servers (--url)")
+    r.add_argument("--url", action="append", default=[], metavar="http://HOST:PORT",
+                   help="benchmark a running OpenAI-compatible server instead (repeatable; the first is the baseline)")
+    r.add_argument("--api-key", default=None, help="Bearer key for --url servers")
+    r.add_argument("--url-model", default=None, help="model id to request (default: the first of /v1/models)")
+    r.add_argument("--no-stream", action="store_true", help="plain requests: no time to first token")
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_configs(text: str | None) -> list[str]:
+    """``--configs`` -> names in report order. Raises ValueError for unknown names."""
+    if text is None:
+        return list(ALL_CONFIGS)
+    names = _split(text)
+    unknown = [n for n in names if n not in ALL_CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(ALL_CONFIGS)}")
+    return [c for c in ALL_CONFIGS if c in names]
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """``--temperature 0,0.7`` -> ``[0.0, 0.7]``. Raises ValueError for bad values."""
+    try:
+        temps = [float(t) for t in _split(text)]
+    except ValueError:
+        raise ValueError(f"--temperature expects comma-separated numbers, got {text!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise ValueError(f"--temperature needs numbers >= 0, got {text!r}")
+    return temps
+
+
+def max_tokens_for(prompt_set: str, given: int | None) -> int:
+    if given is not None:
+        if given < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {given}")
+        return given
+    return LONG_MAX_TOKENS if prompt_set in LONG_SETS else DEFAULT_MAX_TOKENS
+
+
+def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, target=None) -> list[BenchPrompt]:
+    """Every prompt of ``sets``; with a target, tokenized as a chat (plain text without a template)."""
+    from flashdraft.prompts import load_prompt_set
+
+    out = []
+    for s in sets:
+        n = max_tokens_for(s, max_tokens)
+        for item in load_prompt_set(s, limit):
+            ids = None
+            if target is not None:
+                if target.has_chat_template:
+                    ids = target.chat_prompt_ids([{"role": "user", "content": item["prompt"]}])
+                else:  # a base model: the raw text (HumanEval's bare function header when there is one)
+                    ids = target.encode(item.get("raw_prompt", item["prompt"]))
+            out.append(BenchPrompt(id=item["id"], set=s, text=item["prompt"], ids=ids, max_tokens=n))
+    if not out:
+        raise ValueError("no prompts to run (check --prompts and --limit)")
+    return out
+
+
+# ---------------------------------------------------------------- building configurations
+
+
+def build_local(names: list[str], args, target, explicit: bool) -> list[Contender | Unavailable]:
+    """Configurations ``names`` on ``target``.
+
+    A configuration that cannot run here becomes :class:`Unavailable` with the reason. One
+    that fails while loading raises when it was asked for by name (``explicit``), else is
+    reported as unavailable too.
+    """
+    import torch
+
+    from flashdraft.bench.ours import OURS, build_ours, dflash_drafter_path
+    from flashdraft.bench.peers import HF_PEERS, LLAMACPP_PEERS, build_hf, build_llamacpp
+    from flashdraft.cli import engine_config
+
+    base = engine_config(args)
+    dflash_path = dflash_drafter_path(args.model, args.spec_draft_model)
+    threads = args.threads or torch.get_num_threads()
+    out = []
+    for name in names:
+        try:
+            if name in OURS:
+                built = build_ours(name, base, target, args.draft_model)
+            elif name in HF_PEERS:
+                built = build_hf(name, target, base, args.draft_model, dflash_path)
+            elif name in LLAMACPP_PEERS:
+                built = build_llamacpp(name, target, args.model, base, threads)
+            else:
+                raise ValueError(f"unknown configuration {name}")
+        except Exception as e:  # noqa: BLE001 - one peer failing to load must not hide the others
+            if explicit:
+                raise
+            log.warning("%s cannot run: %s", name, e)
+            built = Unavailable(name, "ours" if name in OURS else "peer", f"failed to load: {type(e).__name__}: {e}")
+        out.append(built)
+    return out
+
+
+def build_remote(args) -> list[Contender]:
+    """One :class:`RemoteServer` per ``--url``. Raises ValueError when a server cannot be reached
+    or refuses the key (asked once, for its model list)."""
+    from flashdraft.bench.remote import RemoteServer, ServerError
+
+    out = []
+    for u in args.url:
+        try:
+            out.append(RemoteServer(u, api_key=args.api_key, model=args.url_model, stream=not args.no_stream))
+        except ServerError as e:
+            raise ValueError(str(e)) from None
+    return out
+
+
+# ---------------------------------------------------------------- running
+
+
+def sampling_for(temperature: float, args, prompt_index: int, repeat: int) -> SamplingParams:
+    """Sampling settings of one run; the seed depends only on the prompt and the repeat, so
+    every configuration gets the same seed for the same run."""
+    if temperature == 0:
+        return SamplingParams()
+    return SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed + 1000 * repeat + prompt_index)
+
+
+def warm_up(contenders: list, prompt: BenchPrompt, tokens: int) -> list:
+    """Run each configuration once, unmeasured; one that fails becomes :class:`Unavailable`."""
+    if tokens <= 0:
+        return contenders
+    short = BenchPrompt(prompt.id, prompt.set, prompt.text, prompt.ids, min(tokens, prompt.max_tokens))
+    out = []
+    for c in contenders:
+        if isinstance(c, Unavailable):
+            out.append(c)
+            continue
+        try:
+            c.activate()
+            c.run(short, SamplingParams())
+            out.append(c)
+        except Exception as e:  # noqa: BLE001 - report it and benchmark the rest
+            log.warning("%s failed in warm-up: %s", c.name, e)
+            out.append(Unavailable(c.name, c.kind, f"failed in warm-up: {type(e).__name__}: {e}"))
+    return out
+
+
+def run_all(contenders: list[Contender], prompts: list[BenchPrompt], temperatures: list[float], repeats: int,
+            args) -> list[RunRecord]:
+    """Every (temperature, repeat, prompt, configuration), configurations innermost and
+    rotated per repeat. A failing run is recorded with its error and the rest go on."""
+    from tqdm import tqdm
+
+    records = []
+    total = len(temperatures) * repeats * len(prompts) * len(contenders)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True,
+              mininterval=1.0) as bar:
+        for temp in temperatures:
+            for rep in range(repeats):
+                k = rep % len(contenders)
+                order = contenders[k:] + contenders[:k]
+                for i, prompt in enumerate(prompts):
+                    params = sampling_for(temp, args, i, rep)
+                    for c in order:
+                        bar.set_postfix_str(f"T={temp:g} pass {rep + 1} {prompt.id} {c.name}")
+                        rec = RunRecord(c.name, prompt.set, prompt.id, temp, rep)
+                        try:
+                            c.activate()
+                            rec.generation = c.run(prompt, params)
+                        except Exception as e:  # noqa: BLE001 - keep benchmarking the others
+                            log.warning("%s on %s failed: %s", c.name, prompt.id, e)
+                            rec.error = f"{type(e).__name__}: {e}"
+                        records.append(rec)
+                        bar.update()
+    return records
+
+
+def run(args, target=None) -> int:
+    """``flashdraft bench``: prints the report; writes ``--json-out`` / ``--plot`` if asked.
+
+    Args:
+        target: an already loaded :class:`flashdraft.target.Target` to use instead of
+            loading ``-m`` (tests, notebooks).
+    Raises:
+        ValueError: bad flags, unknown configurations or prompt sets, nothing to run.
+    """
+    import torch
+
+    from flashdraft.bench import report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    temperatures = parse_temperatures(args.temperature)
+    sets = _split(args.prompts)
+    names = parse_configs(args.configs)
+
+    if args.url:
+        if args.configs:
+            raise ValueError("--configs does not apply to --url (the servers are the configurations)")
+        contenders = build_remote(args)
+        prompts = load_prompts(sets, args.limit, args.max_tokens)
+    else:
+        from flashdraft.target import Target
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the progress bar
+        if target is None:
+            target = Target.load(args.model)
+        prompts = load_prompts(sets, args.limit, args.max_tokens, target)
+        contenders = build_local(names, args, target, explicit=args.configs is not None)
+    contenders = warm_up(contenders, prompts[0], args.warmup_tokens)
+    active = [c for c in contenders if not isinstance(c, Unavailable)]
+    if not active:
+        reasons = "; ".join(f"{c.name}: {c.reason}" for c in contenders)
+        raise ValueError(f"no configuration can run here ({reasons})")
+    baseline = "none" if any(c.name == "none" for c in active) else active[0].name
+
+    records = run_all(active, prompts, temperatures, args.repeats, args)
+    order = [c.name for c in contenders]
+    summary, per_prompt = summarize(records, order, baseline)
+
+    show = args.per_prompt
+    if show is None:
+        show = max(sum(p.set == s for p in prompts) for s in sets) <= PER_PROMPT_AUTO
+    report.print_markdown(report.markdown(summary, per_prompt, contenders, baseline, args.repeats, show))
+
+    if args.json_out:
+        settings = _settings(args, sets, temperatures, prompts)
+        prompt_list = [{"prompt_set": p.set, "id": p.id, "prompt_tokens": len(p.ids) if p.ids else None,
+                        "max_tokens": p.max_tokens} for p in prompts]
+        doc = report.build_document(argv=sys.argv, settings=settings, baseline=baseline, contenders=contenders,
+                                    prompts=prompt_list, records=records, summary=summary, per_prompt=per_prompt)
+        report.write_json(doc, args.json_out)
+        log.info("wrote %s", args.json_out)
+    if args.plot:
+        from flashdraft.bench.plot import plot
+
+        plot(summary, args.plot, title=_title(args))
+        log.info("wrote %s", args.plot)
+    return 0
+
+
+def _settings(args, sets, temperatures, prompts) -> dict:
+    return {
+        "mode": "url" if args.url else "local",
+        "prompt_sets": sets, "limit": args.limit,
+        "max_tokens": {s: max_tokens_for(s, args.max_tokens) for s in sets},
+        "temperatures": temperatures, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+        "seed": args.seed, "repeats": args.repeats, "warmup_tokens": args.warmup_tokens,
+        "model": args.model, "drafter": args.spec_draft_model, "draft_model": args.draft_model,
+        "n_draft": args.spec_draft_n_max, "ctx_size": args.ctx_size, "cross_ctx": args.spec_dflash_cross_ctx,
+        "threads": args.threads, "urls": list(args.url), "n_prompts": len(prompts),
+    }
+
+
+def _title(args) -> str:
+    model = args.model or "SmolLM2-135M-Instruct Q4_1 (default)"
+    return f"flashdraft bench: {model}, {args.prompts}" if not args.url else f"flashdraft bench: {', '.join(args.url)}"
