@@ -11,7 +11,10 @@ checkpoint loads into it by renaming two tensors. The benchmark then measures
 transformers' implementation of the whole loop, drafter forward included, with our weights.
 
 Limits (raised as :class:`HFDFlashUnsupported`): drafters with attention biases (that class
-has none) and transformers versions without the class.
+has none) and transformers versions without the class. Not raised but reported
+(:func:`draft_vocab_note`): transformers projects draft hidden states with the target's whole
+LM head, so a drafter trained with a reduced draft vocabulary (``d2t``) drafts over the full
+vocabulary there; its τ in transformers may then be lower than in our engine.
 """
 
 from __future__ import annotations
@@ -64,10 +67,20 @@ def hf_dflash_assistant(drafter: DFlashDraftModel) -> nn.Module:
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     model = MuseGlimmerAssistantModel(hf_config)
-    state = {_RENAMES.get(k, k): v for k, v in drafter.state_dict().items()}
+    # d2t (reduced draft vocabulary) has no place in transformers' loop: see draft_vocab_note
+    state = {_RENAMES.get(k, k): v for k, v in drafter.state_dict().items() if k != "d2t"}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HFDFlashUnsupported(f"weights do not map onto transformers' DFlash drafter: "
                                   f"missing {missing}, unexpected {unexpected}")
     dtype = drafter.fc.weight.dtype
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def draft_vocab_note(drafter: DFlashDraftModel) -> str | None:
+    """What transformers ignores of ``drafter`` (None when nothing): its reduced vocabulary."""
+    d2t = getattr(drafter, "d2t", None)
+    if d2t is None:
+        return None
+    return (f"the drafter's reduced draft vocabulary ({d2t.numel()} tokens, d2t) is ignored: "
+            "transformers drafts over the full vocabulary")

@@ -87,8 +87,9 @@ class HFContender(Contender):
 
     kind = "peer"
 
-    def __init__(self, name: str, target: Target, extra: dict, speculative: bool):
-        self.name, self.description = name, DESCRIPTIONS[name]
+    def __init__(self, name: str, target: Target, extra: dict, speculative: bool, note: str | None = None):
+        self.name = name
+        self.description = DESCRIPTIONS[name] + (f"; {note}" if note else "")
         self.target, self.extra, self.speculative = target, extra, speculative
         self.eos = sorted(target.eos_token_ids)
         self.pad = self.eos[0] if self.eos else 0
@@ -146,16 +147,17 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
         return HFContender(name, target, {"prompt_lookup_num_tokens": base.n_draft,
                                           "max_matching_ngram_size": base.ngram_max}, speculative=True)
     if name == "hf-dflash":
-        from flashdraft.bench.hf_dflash import HFDFlashUnsupported, hf_dflash_assistant
+        from flashdraft.bench.hf_dflash import HFDFlashUnsupported, draft_vocab_note, hf_dflash_assistant
         if dflash_path is None:
             return Unavailable(name, "peer", "no DFlash drafter for this target: pass -md PATH")
         cfg = EngineConfig(model=base.model, spec_type="dflash", draft_model=dflash_path, dtype=base.dtype)
+        drafter = load_drafter(cfg, target).model
         try:
-            assistant = hf_dflash_assistant(load_drafter(cfg, target).model)
+            assistant = hf_dflash_assistant(drafter)
         except HFDFlashUnsupported as e:
             return Unavailable(name, "peer", f"cannot be wrapped for transformers: {e}")
         return HFContender(name, target, {"assistant_model": assistant, "speculation_type": "dflash"},
-                           speculative=True)
+                           speculative=True, note=draft_vocab_note(drafter))
     if name == "hf-draft":
         if not draft_model:
             return Unavailable(name, "peer", "no draft model: pass --draft-model PATH")

@@ -17,7 +17,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install 'flashdraft[bench]' (or pip install matplotlib)") from None
+        raise ImportError("--plot needs matplotlib: pip install 'flashdraft[bench]' "
+                          "(or pip install matplotlib)") from None
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
     return plt

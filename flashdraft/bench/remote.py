@@ -91,8 +91,8 @@ class RemoteServer(Contender):
             last = time.perf_counter()
             choice = (answer.get("choices") or [{}])[0]
             text = (choice.get("message") or {}).get("content") or ""
-            finish, usage, timings, first = choice.get("finish_reason"), answer.get("usage"), answer.get("timings"), None
-            pieces = None
+            finish, usage, timings = choice.get("finish_reason"), answer.get("usage"), answer.get("timings")
+            first = pieces = None
         return _generation(text, finish, usage or {}, timings, t0, first, last, pieces)
 
     def _stream(self, body: dict):
@@ -137,7 +137,8 @@ def _generation(text: str, finish: str | None, usage: dict, timings: dict | None
                      ttft_ms=None if first is None else 1e3 * (first - t0), total_ms=1e3 * (last - t0),
                      finish_reason=finish)
     if timings.get("predicted_ms") and timings.get("predicted_n"):
-        gen.decode_ms, gen.decode_tokens, gen.decode_source = float(timings["predicted_ms"]), int(timings["predicted_n"]), "server"
+        gen.decode_ms, gen.decode_tokens = float(timings["predicted_ms"]), int(timings["predicted_n"])
+        gen.decode_source = "server"
     if "draft_n" in timings:
         gen.spec = SpecCounts(draft_n=int(timings["draft_n"]), draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
                               acceptance_length=timings.get("acceptance_length"))

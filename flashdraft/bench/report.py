@@ -237,6 +237,8 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
             mine = [p for p in per_prompt if p["prompt_set"] == pset and p["temperature"] == temp]
             header = ("prompt / config",) + SUMMARY_HEADER[1:]
             out += _table(header, [_row(p, f"{p['prompt_id']} / {p['config']}") for p in mine]) + [""]
+    ran = [c for c in contenders if not isinstance(c, Unavailable)]
+    out += ["Configurations:", ""] + [f"- `{c.name}`: {c.description}" for c in ran] + [""]
     missing = [c for c in contenders if isinstance(c, Unavailable)]
     if missing:
         out += ["Not run:", ""] + [f"- `{c.name}`: {c.reason}" for c in missing] + [""]

@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout or FILE.jsonl (default: seed)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
-                   help=f"tokens to generate per prompt (default: {LONG_MAX_TOKENS} for seed, {DEFAULT_MAX_TOKENS} otherwise)")
+                   help=f"tokens to generate per prompt "
+                        f"(default: {LONG_MAX_TOKENS} for seed, {DEFAULT_MAX_TOKENS} otherwise)")
     p.add_argument("--temperature", "--temp", default="0",
                    help="comma-separated temperatures, 0 = greedy (default: 0; the guide also uses 0.7)")
     p.add_argument("--top-k", type=int, default=64, help="top-k at temperature > 0 (default: 64, the guide's)")

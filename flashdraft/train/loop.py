@@ -56,7 +56,7 @@ class TrainConfig:
     bf16: bool = True
     checkpoint_minutes: float = 5.0
     eval_minutes: float = 20.0
-    eval_prompts: int = 6
+    eval_prompts: int = 4
     eval_tokens: int = 64
     feature_cache_gb: float = 6.0
     init_layers: list[int] = field(default_factory=list)
@@ -78,13 +78,24 @@ def read_shards(data_dir: Path) -> list[tuple[str, torch.Tensor, int]]:
     return seqs
 
 
-def draft_vocabulary(seqs, size: int, always: set[int]) -> torch.Tensor:
-    """The ``size`` most frequent response tokens (plus ``always``), sorted: ``d2t [V_d]``."""
+def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenizer=None) -> torch.Tensor:
+    """The ``size`` most frequent tokens, plus ``always``, sorted: ``d2t [V_d]``.
+
+    Response tokens rank first; tokens of ``extra_texts`` (e.g. all training prompts) fill
+    the rest, so a vocabulary chosen while regeneration is young still covers the domain.
+    """
     counts = Counter()
     for _, ids, n_prompt in seqs:
         counts.update(ids[n_prompt:].tolist())
-    top = [t for t, _ in counts.most_common(size)]
-    vocab = sorted(set(top[: size - len(always - set(top))]) | always)
+    top = [t for t, _ in counts.most_common()]
+    if tokenizer is not None and len(top) < size:
+        more = Counter()
+        for ids in tokenizer(list(extra_texts), add_special_tokens=False)["input_ids"]:
+            more.update(ids)
+        seen = set(top)
+        top += [t for t, _ in more.most_common() if t not in seen]
+    room = size - len(always - set(top[:size]))
+    vocab = sorted(set(top[:room]) | always)
     return torch.tensor(vocab, dtype=torch.long)
 
 
@@ -144,7 +155,10 @@ class Trainer:
         init = cfg.init_layers or list(range(t.num_layers - cfg.num_layers, t.num_layers))
         init_from_target(model, t.model, init)
         if cfg.draft_vocab:
-            model.set_draft_vocab(draft_vocabulary(self.seqs, cfg.draft_vocab, t.eos_token_ids | {mask}))
+            from flashdraft.train.data import training_prompts
+            texts = [p["prompt"] for p in training_prompts()]
+            model.set_draft_vocab(draft_vocabulary(self.seqs, cfg.draft_vocab, t.eos_token_ids | {mask},
+                                                   texts, t.tokenizer))
         return model
 
     # -- data -------------------------------------------------------------------------
