@@ -4,18 +4,26 @@ Routes (llama-server compatible):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /completion``
   (see :mod:`flashdraft.server.completions`)
-- ``GET /health`` (503 while loading, 200 ``{"status": "ok"}``), ``GET /v1/models``
+- ``GET /``: the chat page (``static/``); ``GET /static/<file>``: its script and style
+- ``GET /health`` (503 while loading or stopping, 200 ``{"status": "ok"}``), ``GET /v1/models``
   (also ``/models``), ``GET /props``, ``POST /tokenize``, ``POST /detokenize``,
   ``GET /metrics`` (Prometheus; 501 unless ``--metrics``)
 
-With ``api_key`` set, every route except ``/health`` needs ``Authorization: Bearer KEY``
-(or ``X-Api-Key: KEY``).
+With ``api_key`` set, every API route except ``/health`` needs ``Authorization: Bearer KEY``
+(or ``X-Api-Key: KEY``). The chat page and its static files stay public: a browser cannot
+send a header when it opens a URL, the files hold no data, and the page asks for the key
+and sends it with each API call.
+
+SIGTERM/SIGINT: the app chains itself before uvicorn's handler to start draining at once
+(see :meth:`ServerState.begin_shutdown`); uvicorn then stops accepting connections and
+waits for the in-flight ones.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import signal
 import threading
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -26,7 +34,7 @@ from pydantic.json_schema import models_json_schema
 
 import flashdraft
 from flashdraft.generate import SpeculativeGenerator
-from flashdraft.server import completions
+from flashdraft.server import completions, webui
 from flashdraft.server.errors import APIError, install_error_handlers
 from flashdraft.server.metrics import CONTENT_TYPE
 from flashdraft.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -35,8 +43,9 @@ from flashdraft.server.state import ServerSettings, ServerState
 
 log = logging.getLogger(__name__)
 
-#: routes that never need the API key (load balancers probe them)
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+#: routes that never need the API key (load balancers probe them; the page holds no data)
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html"})
+PUBLIC_PREFIXES = ("/static/",)
 
 #: request body schema per route, for the OpenAPI document (routes parse bodies themselves
 #: so that every validation error has OpenAI's shape)
@@ -60,7 +69,8 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"")
@@ -93,23 +103,64 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        restore = _drain_on_signals(state)
         if isinstance(generator_or_loader, SpeculativeGenerator):
             state.set_ready(generator_or_loader)
         else:
             threading.Thread(target=state.load, args=(generator_or_loader,), name="flashdraft-loader",
                              daemon=True).start()
-        yield
-        state.shutdown()
+        try:
+            yield
+        finally:
+            restore()
+            state.shutdown()
 
     app = FastAPI(title="flashdraft", version=flashdraft.__version__, lifespan=lifespan)
     app.state.flashdraft = state
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     install_error_handlers(app)
+    if settings.webui:
+        webui.register(app)
     _add_info_routes(app, state)
     completions.register(app, state)
     _document_request_bodies(app)
     return app
+
+
+def _drain_on_signals(state: ServerState) -> Callable[[], None]:
+    """Call ``state.begin_shutdown()`` on SIGTERM/SIGINT, then the handler that was there
+    (uvicorn's, which starts its graceful shutdown). Returns a function that puts the old
+    handlers back.
+
+    Why chain rather than wait for the lifespan shutdown: uvicorn sends that only after
+    every connection has closed, i.e. after a long stream would have been cut at its
+    graceful-shutdown timeout; starting the drain at the signal lets queued requests get a
+    503 at once and the running one end with a proper error event. Only callable
+    handlers are chained (a default or ignored signal is left alone), and only on the main
+    thread, where Python allows it (an app run in a thread by tests is not chained).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    chained: dict[int, object] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum, frame, previous=previous):
+            state.begin_shutdown()
+            previous(signum, frame)
+
+        signal.signal(sig, handler)
+        chained[sig] = previous
+
+    def restore() -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in chained.items():
+                signal.signal(sig, previous)
+
+    return restore
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -118,7 +169,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health() -> Response:
-        """200 ``{"status": "ok"}`` when ready; 503 while loading; 500 if loading failed."""
+        """200 ``{"status": "ok"}`` when ready; 503 while loading or shutting down; 500 if loading failed."""
         state.require_ready()
         return JSONResponse({"status": "ok"})
 

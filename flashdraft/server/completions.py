@@ -6,7 +6,8 @@ body or stream them as server-sent events. Errors known before the first token a
 plain HTTP errors even for ``stream: true`` (the route waits for the first step before
 it starts the event stream); a failure after that ends the stream with an ``error`` event.
 A client that disconnects cancels its job (queued: never runs; running: stops within
-one verify step).
+one verify step). On SIGTERM a queued job is answered 503 and a running stream that
+outlives the grace period ends with an ``error`` event (see :mod:`.scheduler`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from flashdraft.generate import Cancelled, ContextOverflowError, Step
 from flashdraft.server import responses as R
 from flashdraft.server.errors import APIError, internal_error
-from flashdraft.server.scheduler import JobFailed, Ticket
+from flashdraft.server.scheduler import JobFailed, ServerShuttingDown, Ticket
 from flashdraft.server.schemas import ChatCompletionRequest, CompletionRequest, LlamaCompletionRequest, parse_request
 from flashdraft.server.state import ServerState
 
@@ -64,9 +65,16 @@ async def cancel_on_disconnect(request: Request, ticket: Ticket):
         task.cancel()
 
 
-def failure(e: JobFailed) -> APIError:
+def shutting_down(e: ServerShuttingDown) -> APIError:
+    """503 for a job refused or ended because the server is stopping (clients may retry)."""
+    return APIError(503, str(e), type="unavailable_error", code="server_shutting_down")
+
+
+def failure(e: JobFailed | ServerShuttingDown) -> APIError:
     """HTTP error for a failed job: the client's fault only if it failed before any output
-    with a validation error; otherwise ours (500)."""
+    with a validation error; 503 when the server is stopping; otherwise ours (500)."""
+    if isinstance(e, ServerShuttingDown):
+        return shutting_down(e)
     if isinstance(e.error, ContextOverflowError):
         return APIError(400, str(e.error), code="context_length_exceeded",
                         extra={"n_prompt_tokens": e.error.n_prompt, "n_ctx": e.error.ctx_size})
@@ -89,7 +97,7 @@ async def run_to_end(request: Request, ticket: Ticket) -> R.Completion:
                 c.token_ids.extend(step.token_ids)
                 if step.finish_reason is not None:
                     c.finish_reason, c.timings = step.finish_reason, step.timings
-    except JobFailed as e:
+    except (JobFailed, ServerShuttingDown) as e:
         raise failure(e) from None
     except Cancelled:
         raise APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled") from None
@@ -197,7 +205,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         try:
             async with cancel_on_disconnect(request, ticket):
                 first = await anext(events)  # errors before any output stay plain HTTP errors
-        except JobFailed as e:
+        except (JobFailed, ServerShuttingDown) as e:
             raise failure(e) from None
         except Cancelled:
             raise APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled") from None
@@ -226,7 +234,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 if event is not None:
                     yield event
                 step = await anext(events)
-        except JobFailed as e:
+        except (JobFailed, ServerShuttingDown) as e:  # headers are sent: end with an error event
             err = failure(e)
             status = "client_error" if err.status < 500 else "server_error"
             yield R.sse(err.body())
@@ -255,7 +263,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages")
         meta = R.ResponseMeta.new("chatcmpl", model)
-        ticket = state.scheduler.submit(job)
+        ticket = state.submit(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await stream(request, "chat", ticket, ChatStream(meta, include_usage))
@@ -270,7 +278,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         ids = state.prompts.prompt(req.prompt_value())
         job = state.make_job(ids, req.max_tokens, req)
         meta = R.ResponseMeta.new("cmpl", model)
-        ticket = state.scheduler.submit(job)
+        ticket = state.submit(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await stream(request, "completions", ticket, CompletionStream(meta, include_usage))
@@ -294,7 +302,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                         "stop": stops, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
             return R.llama_response(c, timings, model, len(ids), stop_type, word, settings)
 
-        ticket = state.scheduler.submit(job)
+        ticket = state.submit(job)
         if req.stream:
             return await stream(request, "completion", ticket, LlamaStream(final))
         c = await run_to_end(request, ticket)

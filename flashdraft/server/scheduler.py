@@ -20,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -56,6 +57,13 @@ class JobFailed(Exception):
     def __init__(self, error: BaseException, after_output: bool):
         super().__init__(str(error))
         self.error, self.after_output = error, after_output
+
+
+class ServerShuttingDown(Exception):
+    """The server is stopping: the job was refused, or ended after the grace period."""
+
+    def __init__(self, message: str = "the server is shutting down; retry on another instance or later"):
+        super().__init__(message)
 
 
 _CANCELLED = object()  # end marker: the job was cancelled
@@ -106,12 +114,13 @@ class Ticket:
         Raises:
             Cancelled: the job was cancelled before finishing.
             JobFailed: the generation raised.
+            ServerShuttingDown: the server stopped before the job finished.
         """
         while True:
             item = await self.channel.get()
             if item is _CANCELLED:
                 raise Cancelled()
-            if isinstance(item, JobFailed):
+            if isinstance(item, (JobFailed, ServerShuttingDown)):
                 raise item
             yield item
             if item.finish_reason is not None:
@@ -131,6 +140,9 @@ class Scheduler:
         self.metrics = metrics
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
         self._current: Ticket | None = None
+        #: set by begin_shutdown: no new jobs; the running one must end by ``_deadline``
+        self._closing = False
+        self._deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="flashdraft-worker", daemon=True)
 
     def start(self) -> None:
@@ -138,7 +150,13 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: GenerationJob) -> Ticket:
-        """Queue ``job``; call from the event loop that will consume its events."""
+        """Queue ``job``; call from the event loop that will consume its events.
+
+        Raises:
+            ServerShuttingDown: after :meth:`begin_shutdown`.
+        """
+        if self._closing:
+            raise ServerShuttingDown()
         ticket = Ticket(job, EventChannel(asyncio.get_running_loop()))
         if self.metrics:
             self.metrics.deferred.inc()
@@ -155,18 +173,40 @@ class Scheduler:
         """Whether a job is running now."""
         return self._current is not None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Cancel the running and queued jobs and end the worker (waits up to ``timeout`` s)."""
-        if self._current is not None:
-            self._current.cancel()
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop taking jobs: queued ones get :class:`ServerShuttingDown` now, the running one
+        may finish within ``grace_s`` seconds, then gets it too. Safe from any thread (the
+        server calls it from its SIGTERM handler); calling it again keeps the first deadline."""
+        if self._closing:
+            return
+        self._deadline = time.monotonic() + max(0.0, grace_s)
+        self._closing = True
+        self._reject_queued(ServerShuttingDown())
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _reject_queued(self, end: object) -> None:
+        """Empty the queue, ending each waiting ticket with ``end``."""
         while True:
             try:
                 ticket = self._queue.get_nowait()
             except queue.Empty:
-                break
-            if ticket is not None:
-                ticket.cancel()
-                ticket.channel.put(_CANCELLED)
+                return
+            if ticket is None:  # a stop() marker: keep it for the worker
+                self._queue.put(None)
+                return
+            if self.metrics:
+                self.metrics.deferred.dec()
+            ticket.cancel()
+            ticket.channel.put(end)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the running and queued jobs and end the worker (waits up to ``timeout`` s)."""
+        self._closing = True
+        if self._current is not None:
+            self._current.cancel()
+        self._reject_queued(_CANCELLED)
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -182,6 +222,9 @@ class Scheduler:
             if ticket.cancelled:  # its client left while it waited: never run it
                 ticket.channel.put(_CANCELLED)
                 continue
+            if self._closing:  # raced with begin_shutdown: refuse rather than start
+                ticket.channel.put(ServerShuttingDown())
+                continue
             self._current = ticket
             if self.metrics:
                 self.metrics.processing.inc()
@@ -194,16 +237,21 @@ class Scheduler:
 
     def _run_one(self, ticket: Ticket) -> None:
         job, delivered = ticket.job, False
+
+        def stopped() -> bool:  # read by the loop before every verify step
+            return ticket.cancelled or self._past_deadline()
+
         try:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
-                                                ignore_eos=job.ignore_eos, cancelled=lambda: ticket.cancelled):
+                                                ignore_eos=job.ignore_eos, cancelled=stopped):
                 if step.finish_reason is not None and self.metrics and step.timings is not None:
                     self.metrics.observe_generation(step.timings)
                 if not ticket.channel.put(step):
                     ticket.cancel()
                 delivered = True
         except Cancelled:
-            ticket.channel.put(_CANCELLED)
+            # the client left (nobody reads this), or shutdown's grace period ran out
+            ticket.channel.put(_CANCELLED if ticket.cancelled else ServerShuttingDown())
         except Exception as e:  # one bad request must never kill the worker
             log.exception("generation failed")
             ticket.channel.put(JobFailed(e, after_output=delivered))

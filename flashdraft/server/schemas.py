@@ -20,6 +20,9 @@ from flashdraft.server.errors import APIError, bad_request
 
 #: more stop strings than this is almost certainly a client bug (OpenAI allows 4)
 MAX_STOP_STRINGS = 16
+#: longest stop string (characters): the stop check compares every stop string's prefixes
+#: with the text's tail after each token, so unbounded ones would make each token slow
+MAX_STOP_LENGTH = 512
 #: seeds are passed to ``torch.Generator.manual_seed`` (unsigned 64-bit)
 MAX_SEED = 2**64 - 1
 
@@ -49,6 +52,9 @@ class SamplingFields(_Strict):
     def _stop_list(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, got {len(s)}")
         return v
 
     def stop_list(self) -> list[str]:
@@ -210,14 +216,28 @@ def parse_json(body: bytes) -> object:
     """Decode a request body as JSON (UTF-8).
 
     Raises:
-        APIError: 400 for invalid UTF-8 or malformed JSON.
+        APIError: 400 for invalid UTF-8, malformed JSON, nesting too deep for the parser,
+            or a ``\\uD800``-style escape of a lone UTF-16 surrogate (valid JSON, but not
+            text: the tokenizer could not encode it).
     """
     try:
-        return json.loads(body)  # bytes: json detects UTF-8/16/32 and rejects invalid bytes
+        data = json.loads(body)  # bytes: json detects UTF-8/16/32 and rejects invalid bytes
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
     except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
+    # only a \u escape can produce a surrogate (raw surrogate bytes fail UTF-8 decoding above)
+    if b"\\u" in body:
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"the request body escapes a lone UTF-16 surrogate, which is not text: {e}",
+                              code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("the request body is nested too deeply", code="invalid_json") from None
+    return data
 
 
 def parse_request(body: bytes, model: type[M]) -> M:

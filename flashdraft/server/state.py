@@ -13,10 +13,15 @@ from flashdraft.sampling import SamplingParams
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.prompting import PromptBuilder
-from flashdraft.server.scheduler import GenerationJob, Scheduler
+from flashdraft.server.scheduler import GenerationJob, Scheduler, ServerShuttingDown, Ticket
 from flashdraft.server.schemas import SamplingFields
 
 log = logging.getLogger(__name__)
+
+#: smaller positive temperatures are run as greedy (see :meth:`ServerState.sampling`)
+MIN_TEMPERATURE = 1e-6
+#: smaller top_p values are raised to this: still only the top token (any vocabulary < 10^6)
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -37,6 +42,10 @@ class ServerSettings:
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
         n_parallel: ``-np`` as given; requests queue on one slot for now.
         max_body_bytes: larger request bodies get 413.
+        webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
+        shutdown_grace_s: after SIGTERM, how long the running request may go on before it
+            is ended with a 503 / an ``error`` event; kept below uvicorn's graceful-shutdown
+            timeout (5 s in ``flashdraft serve``) so the clean end wins over a cut connection.
     """
 
     alias: str | None = None
@@ -53,6 +62,8 @@ class ServerSettings:
     reasoning: str = "auto"
     n_parallel: int = 1
     max_body_bytes: int = 8 * 1024 * 1024
+    webui: bool = True
+    shutdown_grace_s: float = 3.0
 
     def template_kwargs(self) -> dict:
         """Chat-template variables implied by ``--reasoning``."""
@@ -61,7 +72,8 @@ class ServerSettings:
 
 @dataclass
 class ServerState:
-    """What the routes share. ``status``: ``loading`` -> ``ready`` | ``failed``."""
+    """What the routes share. ``status``: ``loading`` -> ``ready`` | ``failed``; ``stopping``
+    after SIGTERM (every route but the running requests then answers 503)."""
 
     settings: ServerSettings
     on_load_failed: Callable[[BaseException], None] | None = None
@@ -98,7 +110,21 @@ class ServerState:
         self.model_id = self.settings.alias or generator.target.name
         self.scheduler = Scheduler(generator, self.metrics)
         self.scheduler.start()
+        if self.status == "stopping":  # SIGTERM came while loading: stay stopping
+            self.scheduler.begin_shutdown(0.0)
+            return
         self.status = "ready"  # last: routes check it before touching the fields above
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: answer 503 from now on, reject queued jobs, give the running one
+        ``shutdown_grace_s`` to finish. Idempotent; safe from a signal handler."""
+        if self.status in ("stopping", "failed"):
+            return
+        self.status = "stopping"
+        log.info("shutting down: queued requests are rejected, the running one has %.1f s to finish",
+                 self.settings.shutdown_grace_s)
+        if self.scheduler is not None:
+            self.scheduler.begin_shutdown(self.settings.shutdown_grace_s)
 
     def shutdown(self) -> None:
         """Cancel queued and running jobs and stop the worker."""
@@ -106,12 +132,22 @@ class ServerState:
             self.scheduler.stop()
 
     def require_ready(self) -> None:
-        """Raises APIError 503 while loading (500 if loading failed)."""
+        """Raises APIError 503 while loading or stopping (500 if loading failed)."""
         if self.status == "ready":
             return
         if self.status == "failed":
             raise APIError(500, f"model loading failed: {self.error}", type="server_error", code="load_failed")
+        if self.status == "stopping":
+            raise APIError(503, "the server is shutting down", type="unavailable_error",
+                           code="server_shutting_down")
         raise APIError(503, "Loading model", type="unavailable_error", code="model_loading")
+
+    def submit(self, job: GenerationJob) -> Ticket:
+        """Queue ``job`` on the worker. Raises APIError 503 once shutdown has begun."""
+        try:
+            return self.scheduler.submit(job)
+        except ServerShuttingDown as e:
+            raise APIError(503, str(e), type="unavailable_error", code="server_shutting_down") from None
 
     # -- request checks --------------------------------------------------------------
     def model_names(self) -> set[str]:
@@ -169,14 +205,27 @@ class ServerState:
         return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(), req.ignore_eos)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
-        """Request sampling fields over the server defaults. Raises APIError 400."""
+        """Request sampling fields over the server defaults. Raises APIError 400.
+
+        Two float32 edges, found by the fuzz test (each was a 500 before): a temperature in
+        (0, :data:`MIN_TEMPERATURE`) runs as greedy (its limit; ``logits / 1e-300``
+        overflows to inf and the distribution turns NaN), and a top_p below
+        :data:`MIN_TOP_P` is raised to it (the same single top token; a top_p that rounds to
+        0 in float32 would drop every token).
+        """
         s = self.settings
         seed = req.seed if req.seed is not None else s.seed
+        temperature = float(s.temperature if req.temperature is None else req.temperature)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        top_p = float(s.top_p if req.top_p is None else req.top_p)
+        if 0.0 < top_p < MIN_TOP_P:
+            top_p = MIN_TOP_P
         try:
             return SamplingParams(
-                temperature=float(s.temperature if req.temperature is None else req.temperature),
+                temperature=temperature,
                 top_k=s.top_k if req.top_k is None else req.top_k,
-                top_p=float(s.top_p if req.top_p is None else req.top_p),
+                top_p=top_p,
                 min_p=float(s.min_p if req.min_p is None else req.min_p),
                 seed=None if seed is None or seed < 0 else seed,
             )
