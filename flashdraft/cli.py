@@ -28,6 +28,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-type", default="dflash", choices=["none", "dflash", "draft", "ngram"],
                    help="drafting method (default: dflash)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
+    p.add_argument("--spec-dm-controller", choices=["profit", "off"], default="profit",
+                   help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
+                        "does not pay; off = always --spec-draft-n-max (default: profit)")
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
@@ -37,7 +40,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args):
     from flashdraft.engine import EngineConfig
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
-                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx)
+                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
+                        controller=args.spec_dm_controller)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,8 +87,8 @@ def run(args) -> int:
         sys.stdout.flush()
         timings = step.timings or timings
     d = timings.to_dict(gen.drafting)
-    extra = f", draft {d['draft_n_accepted']}/{d['draft_n']} accepted, tau {d['acceptance_length']:.2f}" \
-        if gen.drafting else ""
+    extra = f", draft {d['draft_n_accepted']}/{d['draft_n']} accepted, tau {d['acceptance_length']:.2f}, " \
+        f"mean depth {d['draft_depth']:.1f}" if gen.drafting else ""
     print(f"\n\n[{d['predicted_n']} tokens, {d['predicted_per_second']:.1f} tokens/s{extra}]", file=sys.stderr)
     return 0
 

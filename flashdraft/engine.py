@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.adaptive import make_controller
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.target import Target, load_hf_model
@@ -34,7 +35,10 @@ class EngineConfig:
             (an untrained drafter, for plumbing tests). ``draft``: a causal LM sharing the
             target's tokenizer, or ``target`` (the target drafts for itself).
             None with ``dflash`` on the default target = the shipped drafter.
-        n_draft: draft tokens per step (``--spec-draft-n-max``).
+        n_draft: draft tokens per step (``--spec-draft-n-max``); with a controller, the most it may pick.
+        controller: ``profit`` (default) picks each step's depth for the most tokens/s and turns
+            drafting off when it does not pay (``flashdraft.adaptive``); ``off`` always drafts
+            ``n_draft`` tokens (``--spec-dm-controller``).
         ctx_size: positions per sequence (``-c``).
         cross_ctx: DFlash drafter attends to at most this many recent positions.
         ngram_max / ngram_min: n-gram sizes of prompt lookup.
@@ -49,6 +53,9 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     dtype: torch.dtype = torch.float32
+    #: profit by default: a drafter that loses on this machine or prompt (τ ≈ 1.1 on CPU) would
+    #: otherwise make decoding slower than plain; the controller keeps it at >= plain speed
+    controller: str = "profit"
 
 
 def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
@@ -91,11 +98,19 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
 
     ``warmup`` runs one short generation so the first request does not pay for kernel
     initialisation (the first forward of a process is several times slower on CPU).
+
+    Raises:
+        ValueError: unknown spec type or controller, or a drafter that needs a path and has none.
     """
+    make_controller(cfg.controller, 1)  # refuse an unknown controller before loading anything
     if target is None:
         target = Target.load(cfg.model, cfg.dtype)
     drafter = load_drafter(cfg, target)
-    gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft)
+    controller = None
+    if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
+        n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
+        controller = make_controller(cfg.controller, n_max)
+    gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller)
     if warmup:
         gen.warmup()
     return gen

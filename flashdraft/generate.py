@@ -1,7 +1,8 @@
 """THE speculative loop: one loop for every drafter (``none``, ``dflash``, ``draft``, ``ngram``).
 
     prefill target ─► first token ─► loop:
-        drafter.propose ─► target verify [anchor, drafts] ─► accept prefix + bonus token
+        controller picks the depth ─► drafter.propose ─► target verify [anchor, drafts]
+        ─► accept prefix + bonus token
         ─► rollback target cache, drafter.commit ─► stops (EOS, stop strings, max_tokens)
 
 Read top to bottom in :meth:`SpeculativeGenerator.generate`.
@@ -15,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from flashdraft.adaptive import ProfitController
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
@@ -43,6 +45,10 @@ class Timings:
     ``draft_n``: drafted tokens; ``draft_n_accepted``: accepted ones that were returned;
     ``accepted_per_position[k]``: drafts accepted at position k+1; ``drafted_per_position[k]``:
     drafts proposed at position k+1; ``n_drafts``: verify steps that carried a draft.
+    ``draft_depth_sum``: draft tokens asked for, summed over verify steps (the depth chosen by
+    the controller or the fixed ``--spec-draft-n-max``, before the cut at ``max_tokens`` and
+    the context); ``draft_depth_last``: the standing depth after the last step, probes aside
+    (the depth the next request starts from; 0 = drafting off).
     """
 
     prompt_n: int = 0
@@ -55,11 +61,18 @@ class Timings:
     n_drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    draft_depth_sum: int = 0
+    draft_depth_last: int = 0
 
     @property
     def acceptance_length(self) -> float:
         """τ: mean tokens produced per verify step (accepted drafts + bonus)."""
         return self.predicted_n / self.n_steps if self.n_steps else 0.0
+
+    @property
+    def draft_depth(self) -> float:
+        """Mean draft tokens asked for per verify step (the first token's step excluded)."""
+        return self.draft_depth_sum / (self.n_steps - 1) if self.n_steps > 1 else 0.0
 
     def to_dict(self, drafting: bool) -> dict:
         d = {
@@ -74,7 +87,8 @@ class Timings:
         }
         if drafting:
             d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,
-                     acceptance_length=round(self.acceptance_length, 4))
+                     acceptance_length=round(self.acceptance_length, 4),
+                     draft_depth=round(self.draft_depth, 3), draft_depth_last=self.draft_depth_last)
         return d
 
 
@@ -99,15 +113,20 @@ class SpeculativeGenerator:
         target: the target model.
         drafter: any :class:`Drafter`; ``NoDrafter`` gives the baseline.
         ctx_size: maximum positions per sequence (prompt + output).
-        n_draft: default draft tokens per step (``--spec-draft-n-max``).
+        n_draft: default draft tokens per step (``--spec-draft-n-max``); the most a
+            controller may choose.
+        controller: picks the depth of each step (``--spec-dm-controller profit``); None =
+            always ``n_draft`` (``off``). Its estimates persist across requests; it only
+            chooses how many tokens to draft, so outputs stay lossless.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
-                 n_draft: int = 16):
+                 n_draft: int = 16, controller: ProfitController | None = None):
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.ctx_size = ctx_size
         self.n_draft = n_draft
+        self.controller = controller
         self.target.set_feature_layers(self.drafter.feature_layer_ids)
 
     @property
@@ -126,6 +145,8 @@ class SpeculativeGenerator:
         ids = self.target.encode("Hello, hello, hello") or [0]
         for _ in self.generate(ids[: self.ctx_size // 2], 4, SamplingParams(), ignore_eos=True):
             pass
+        if self.controller is not None:  # first forwards are slow (kernel setup): not real step costs
+            self.controller.reset()
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
@@ -148,6 +169,8 @@ class SpeculativeGenerator:
         t = Timings(prompt_n=len(prompt_ids))
         cache = self.target.new_cache()
         self.drafter.reset()
+        if self.controller is not None:
+            self.controller.start_request()
 
         # 1. prefill: one target forward over the prompt; context features for the drafter
         t0 = time.perf_counter()
@@ -165,8 +188,11 @@ class SpeculativeGenerator:
         while finish is None:
             if cancelled is not None and cancelled():
                 raise Cancelled()
-            # 2. draft: never past max_tokens (the bonus token adds one) or the context
-            room = min(n_draft, max_tokens - t.predicted_n - 1, self.ctx_size - tokens.shape[0])
+            # 2. draft: depth from the controller (or fixed); never past max_tokens (the
+            #    bonus token adds one) or the context
+            depth, standing = self._choose_depth(n_draft)
+            room = min(depth, max_tokens - t.predicted_n - 1, self.ctx_size - tokens.shape[0])
+            t_step = time.perf_counter()
             draft = self.drafter.propose(tokens, room, params, gen) if room > 0 else None
             drafts = draft.tokens[:room] if draft is not None else torch.empty(0, dtype=torch.long)
             n = drafts.shape[0]
@@ -185,12 +211,16 @@ class SpeculativeGenerator:
             new = drafts[:n_acc].tolist() + [bonus]
             tokens = torch.cat([tokens, torch.tensor(new)])
             self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
+            if self.controller is not None:  # what this depth cost: draft + verify + rollback [s]
+                self.controller.update(n, n_acc, time.perf_counter() - t_step)
 
             # 5. stops; count only what is returned
             finish, kept = self._emit(stream, new, eos, max_tokens, t)
             if finish is None and tokens.shape[0] >= self.ctx_size:
                 finish = "length"
             t.n_steps += 1
+            t.draft_depth_sum += depth
+            t.draft_depth_last = standing
             if n:
                 t.n_drafts += 1
                 t.draft_n += n
@@ -198,6 +228,18 @@ class SpeculativeGenerator:
                 self._count_positions(t, n, min(n_acc, len(kept)))
             t.predicted_ms = 1e3 * (time.perf_counter() - t1)
             yield Step(stream.delta(finish is not None), kept, finish, t if finish else None)
+
+    def _choose_depth(self, n_draft: int) -> tuple[int, int]:
+        """``(depth, standing)``: draft tokens to ask for this step, and the controller's
+        standing depth (probes aside); both ``n_draft`` with the controller off, both at most
+        ``n_draft`` and the drafter's longest draft, ``(0, 0)`` without a drafter."""
+        if not self.drafting:
+            return 0, 0
+        cap = n_draft if self.drafter.max_draft is None else min(n_draft, self.drafter.max_draft)
+        if self.controller is None:
+            return cap, cap
+        depth = min(cap, self.controller.choose())  # choose() first: it may move the standing depth
+        return depth, min(cap, self.controller.depth)
 
     @staticmethod
     def _count_positions(t: Timings, n: int, n_acc: int) -> None:

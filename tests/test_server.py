@@ -90,7 +90,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["--spec-type", "ngram", "-c", str(CTX), "--metrics", "--alias", ALIAS, "--jinja",
+    s = ServerProcess(["--spec-type", "ngram", "--spec-dm-controller", "off", "-c", str(CTX), "--metrics", "--alias", ALIAS, "--jinja",
                        "--reasoning", "off", *SAMPLING_FLAGS, *IGNORED],
                       tmp_path_factory.mktemp("server") / "server.log")
     try:

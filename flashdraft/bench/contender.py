@@ -8,12 +8,13 @@ from flashdraft.bench.measure import Generation
 from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
-ALL_CONFIGS = ("none", "dflash", "ngram", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup")
 
 DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
-    "dflash": "flashdraft, DFlash block-diffusion drafter",
+    "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
+    "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
     "ngram": "flashdraft, prompt-lookup (n-gram) drafter",
     "draft": "flashdraft, autoregressive draft model",
     "hf": "transformers generate()",

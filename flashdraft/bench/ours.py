@@ -15,7 +15,7 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
-OURS = ("none", "dflash", "ngram", "draft")
+OURS = ("none", "dflash", "dflash-adaptive", "ngram", "draft")
 
 
 class EngineContender(Contender):
@@ -64,10 +64,12 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
         base: engine settings from the command line (n_draft, ctx_size, cross_ctx, drafter).
         draft_model: path of the autoregressive draft model for ``draft`` (``--draft-model``).
     """
-    cfg = EngineConfig(model=base.model, spec_type=name, n_draft=base.n_draft, ctx_size=base.ctx_size,
-                       cross_ctx=base.cross_ctx, ngram_max=base.ngram_max, ngram_min=base.ngram_min,
-                       dtype=base.dtype)
-    if name == "dflash":
+    # every configuration drafts a fixed length except the one that measures the controller
+    adaptive = name == "dflash-adaptive"
+    cfg = EngineConfig(model=base.model, spec_type="dflash" if adaptive else name, n_draft=base.n_draft,
+                       ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
+                       ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off")
+    if cfg.spec_type == "dflash":
         cfg.draft_model = dflash_drafter_path(base.model, base.draft_model)
         if cfg.draft_model is None:
             return Unavailable(name, "ours", "no DFlash drafter for this target: pass -md PATH "

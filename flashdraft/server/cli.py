@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--spec-type", choices=SPEC_TYPES, default="dflash", help="drafting method (default: dflash)")
     m.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", dest="spec_draft_n_max",
                    type=_positive_int, default=16, help="draft tokens per step (default: 16)")
+    m.add_argument("--spec-dm-controller", choices=("profit", "off"), default="profit",
+                   help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
+                        "does not pay; off = always --spec-draft-n-max (default: profit)")
     m.add_argument("--spec-dflash-cross-ctx", type=_positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
     m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
@@ -147,7 +150,8 @@ def engine_config_from_args(args: argparse.Namespace):
     from flashdraft.engine import EngineConfig
 
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
-                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx)
+                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
+                        controller=args.spec_dm_controller)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,10 +202,22 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    _exit_cleanly_on_sigterm(server)
     log.info("listening on http://%s:%d (model loads in the background; /health is 503 until ready)",
              args.host, args.port)
     server.run()
     return 1 if failed else 0
+
+
+def _exit_cleanly_on_sigterm(server) -> None:
+    """Make SIGTERM a normal stop (exit 0). uvicorn drains on SIGTERM, then raises the
+    signal again under the handler that was there before it; with the default one the
+    process would die by the signal (exit -15) after a clean drain."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda _sig, _frame: setattr(server, "should_exit", True))
 
 
 def _positive_int(text: str) -> int:

@@ -12,6 +12,11 @@ Glossary (vLLM spec_decode / llama-server conventions):
   (``draft_n_accepted``).
 - ``spec_decode_num_accepted_tokens_per_pos_total{position="k"}``: accepted drafts at
   draft position k (1-based); divided by ``num_drafts`` it is the per-position acceptance.
+- ``flashdraft_spec_draft_depth``: the draft depth the controller (``--spec-dm-controller``)
+  stands at after the latest finished request, probes aside (0 = drafting off; with the
+  controller off, ``--spec-draft-n-max``): ``timings.draft_depth_last``.
+- ``flashdraft_spec_draft_depth_mean``: mean draft tokens asked for per verify step in the
+  latest finished request (``timings.draft_depth``).
 - ``flashdraft_requests_total{endpoint, status}``: finished requests by outcome
   (``ok``, ``cancelled``, ``client_error``, ``server_error``).
 - ``llamacpp:requests_processing`` / ``llamacpp:requests_deferred``: running / queued.
@@ -50,6 +55,10 @@ class ServerMetrics:
         self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (1-based)",
                                         ["position"], registry=r)
+        self.draft_depth = Gauge("flashdraft_spec_draft_depth",
+                                 "Draft depth the controller stands at (0 = drafting off)", registry=r)
+        self.draft_depth_mean = Gauge("flashdraft_spec_draft_depth_mean",
+                                      "Mean draft tokens asked for per verify step, latest request", registry=r)
         self.requests = Counter("flashdraft_requests", "Finished requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
         self.processing = Gauge("llamacpp:requests_processing", "Requests being generated", registry=r)
@@ -67,6 +76,9 @@ class ServerMetrics:
         for k, n in enumerate(t.accepted_per_position):
             if n:
                 self.accepted_per_pos.labels(position=str(k + 1)).inc(n)
+        if t.n_steps > 1:  # a request that ended at its first token chose no depth
+            self.draft_depth.set(t.draft_depth_last)
+            self.draft_depth_mean.set(t.draft_depth)
 
     def observe_request(self, endpoint: str, status: str) -> None:
         """Count one finished request. ``status``: ok | cancelled | client_error | server_error."""

@@ -265,7 +265,9 @@ def run(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     params = [SamplingParams(temperature=t, seed=args.seed) for t in args.temperature]  # validates T
     prompts = load_prompt_set(args.dataset, args.limit)
-    generator = load_engine(engine_config(args))
+    cfg = engine_config(args)
+    cfg.controller = "off"  # τ of the drafter itself: a fixed draft length
+    generator = load_engine(cfg)
     drafter = args.spec_draft_model or ("(shipped default)" if args.spec_type == "dflash" and not args.model else None)
     header = {"target": generator.target.name, "spec_type": args.spec_type, "drafter": drafter,
               "dataset": args.dataset, "n_prompts": len(prompts), "max_tokens": args.max_tokens}

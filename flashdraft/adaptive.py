@@ -1,0 +1,303 @@
+"""Adaptive draft length: draft the depth that gives the most tokens per second.
+
+The best draft depth is not a constant: it depends on the prompt (code is easier to draft
+than prose), on the context length and on what a verify step costs on this machine (on
+the 2-core CPU of DESIGN.md §5 verifying 16 tokens costs about two single steps, so a
+drafter with τ ≈ 1.1 makes decoding *slower* than plain). beellama.cpp ships an adaptive
+controller that can turn drafting off for this reason (issue 5); this module is our own
+take on that idea, built on the expected-tokens-per-step model of speculative decoding
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.3-3.4).
+
+Glossary (units in brackets):
+
+- depth ``d``: draft tokens asked for in one step, 0..``n_max``; ``d = 0`` is plain
+  decoding (the verify step carries only the anchor).
+- ``α_k``: conditional acceptance of draft position k (1-based): P(k accepted | positions
+  1..k-1 accepted). Verification accepts a prefix, so position k is *tested* only when the
+  positions before it were accepted; each position counts only its own tests.
+- ``s_k = α_1 · … · α_k``: P(the first k drafts are all accepted), the issue's
+  "P(k accepted)".
+- ``E(d) = 1 + Σ_{k=1..d} s_k`` [tokens/step]: expected accepted drafts plus the bonus
+  token. With a position-independent α this is Leviathan et al.'s (1 - α^(d+1)) / (1 - α);
+  a block drafter's acceptance changes with the position, so each position has its own α_k.
+- ``c(d)`` [s/step]: measured wall time of one step at depth d (draft + verify + rollback).
+- ``v(d) = E(d) / c(d)`` [tokens/s]: the quantity maximised. ``v(0) = 1 / c(0)`` is plain
+  decoding, so drafting turns off when no depth beats it.
+
+Estimators (why each choice):
+
+- ``α_k`` are exponentially weighted counts, shrunk towards ``α_{k-1}`` with
+  ``prior_weight`` pseudo-tests. Old outcomes lose ``acceptance_decay`` of their weight
+  per *step* elapsed, not per test (memory ≈ 1/0.02 = 50 steps): otherwise the estimate
+  that turned drafting off (often a low, noisy one) would outvote every later probe for a
+  long time. For positions k ≥ 2 the ageing also shows between tests, so a position past
+  the standing depth (tested only by probes) drifts towards its neighbour's rate: an
+  optimistic guess that makes the controller try one deeper now and then instead of
+  staying on a stale low value. Position 1 holds its value between tests: while drafting
+  is off, a probe, not the passing of time, decides to turn it back on.
+- ``c(d)`` is a per-depth exponentially weighted mean, linearly interpolated between
+  measured depths (and extended with the slope of the nearest segment). Not one affine
+  fit ``a + b·d``: on CPU the verify cost is concave in d (DESIGN.md §5: 1 token 60 ms,
+  4 tokens 86 ms, 16 tokens 115 ms), and a line through 4 and 16 predicts 76 ms for plain
+  decoding, 27% too high, which would keep drafting on when it loses. The first step
+  ever seen at a depth is not used: it may carry one-time work (kernel selection, a
+  ``torch.compile`` recompilation for a new shape). A step slower than 4× the mean
+  (another process, a GC pause) is clipped to 4× so one stall cannot move the estimate far.
+
+Decisions:
+
+- warm-up: the first ``WARMUP_STEPS`` (6) steps alternate ``n_max`` and 0, so both ends of
+  the cost curve and every position's acceptance have data before the first decision.
+- hysteresis: the standing depth changes only when another depth's ``v`` beats it by
+  more than ``margin`` (relative), so two nearly equal depths do not flap.
+- probes: every ``probe_every`` steps one step runs at another depth to refresh what the
+  standing depth cannot measure. While drafting it alternates 0 (plain cost) and ``n_max``
+  (tail acceptance and cost); while off it drafts ``off_probe_depth`` tokens, and the
+  interval doubles after each probe that leaves drafting off (up to ``max_backoff`` ×),
+  so a useless drafter costs almost nothing and a prompt that becomes easy is noticed.
+  A new request may be different text (code after prose), so while drafting is off its
+  first verify step probes at once (:meth:`start_request`).
+
+Defaults come from a simulation (the CPU cost curve above plus 15 ms per draft; code-like,
+prose-like, weak and useless acceptance profiles; 1,500 steps, 10 seeds): acceptance
+decay 0.02, probes every 64 steps and back-off up to 4× reached on average 98.6% (code),
+98.8% (prose: only depth 2 pays, +19%) and 99.2–99.4% (weak, useless drafter: plain
+speed) of the best fixed depth, worst seed 95%; decay 0.03 or more was noisy enough to
+turn drafting off on prose now and then (92%).
+
+The controller only chooses how many tokens to draft; verification is unchanged, so the
+output stays the target's (lossless). One instance per engine: estimates persist across
+requests (a server learns its machine and its traffic); :meth:`reset` forgets them.
+Not thread-safe: the engine's single worker owns it.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: ``--spec-dm-controller`` values: ``profit`` = :class:`ProfitController`, ``off`` = fixed depth
+CONTROLLERS = ("profit", "off")
+
+
+class ProfitController:
+    """Chooses the draft depth maximising expected tokens per second (module docstring).
+
+    Usage: :meth:`start_request` once per request, then once per verify step::
+
+        d = controller.choose()                # depth to draft (0 = plain decoding)
+        ...draft min(d, room) tokens, verify...
+        controller.update(n_drafted, n_accepted, seconds)
+
+    Args:
+        n_max: deepest draft allowed (``--spec-draft-n-max`` capped by the drafter's block).
+        margin: relative speed gain a new depth needs before the standing depth changes.
+        probe_every: steps between probes [steps].
+        max_backoff: while off, the probe interval grows up to ``probe_every * max_backoff``.
+        off_probe_depth: depth of a probe while drafting is off (capped by ``n_max``).
+        acceptance_decay: weight lost per step by older acceptance outcomes (memory ≈ 1/decay steps).
+        cost_decay: same for step times (memory ≈ 1/decay steps at that depth).
+        prior_acceptance: α_1 before any data.
+        prior_weight: pseudo-tests of each position's prior (its neighbour's rate).
+
+    Raises:
+        ValueError: ``n_max < 1`` or a setting out of range.
+    """
+
+    name = "profit"
+    #: warm-up steps: n_max, 0, n_max, 0, ... (two used step times at each end; see module docstring)
+    WARMUP_STEPS = 6
+
+    def __init__(self, n_max: int, *, margin: float = 0.03, probe_every: int = 64, max_backoff: int = 4,
+                 off_probe_depth: int = 4, acceptance_decay: float = 0.02, cost_decay: float = 0.1,
+                 prior_acceptance: float = 0.5, prior_weight: float = 1.0):
+        if n_max < 1:
+            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        if not (0 <= margin < 1 and probe_every >= 1 and max_backoff >= 1 and off_probe_depth >= 1
+                and 0 < acceptance_decay < 1 and 0 < cost_decay < 1 and 0 <= prior_acceptance <= 1
+                and prior_weight > 0):
+            raise ValueError("controller setting out of range")
+        self.n_max = n_max
+        self.margin, self.probe_every, self.max_backoff = margin, probe_every, max_backoff
+        self.off_probe_depth = min(off_probe_depth, n_max)
+        self.acceptance_decay, self.cost_decay = acceptance_decay, cost_decay
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every estimate; the next steps warm up again."""
+        self.tested = [0.0] * self.n_max  # EW count of tests of position k+1
+        self.passed = [0.0] * self.n_max  # EW count of acceptances of position k+1
+        self._last_test = [0] * self.n_max  # step of the last test of position k+1
+        self.cost_mean = [0.0] * (self.n_max + 1)  # [s] EW mean step time at depth d
+        self.cost_n = [0] * (self.n_max + 1)  # step times used at depth d (first one skipped)
+        self._seen = [False] * (self.n_max + 1)
+        self.depth = self.n_max  # the standing choice (probes aside); fixed-depth behaviour until data
+        self.steps = 0  # update() calls since reset
+        self._since_probe = 0
+        self._n_probes = 0
+        self._backoff = 1
+        self._probing = False
+
+    # ---- estimates ---------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """``[α_1, …, α_n_max]``: conditional acceptance per position (probabilities)."""
+        out, prior, keep = [], self.prior_acceptance, 1.0 - self.acceptance_decay
+        for k in range(self.n_max):
+            # positions past the standing depth age towards the neighbour's rate (module
+            # docstring); position 1 holds its value, so only a probe turns drafting back on
+            f = 1.0 if k == 0 else keep ** (self.steps - self._last_test[k])
+            a = (f * self.passed[k] + self.prior_weight * prior) / (f * self.tested[k] + self.prior_weight)
+            out.append(a)
+            prior = a
+        return out
+
+    def expected_tokens_curve(self) -> list[float]:
+        """``[E(0), …, E(n_max)]`` with ``E(d) = 1 + Σ_{k≤d} s_k`` [tokens per step]."""
+        out, s = [1.0], 1.0
+        for a in self.acceptance():
+            s *= a  # s_k = P(the first k drafts are all accepted)
+            out.append(out[-1] + s)
+        return out
+
+    def expected_tokens(self, depth: int) -> float:
+        """``E(depth)`` [tokens per step], ``depth`` in 0..n_max."""
+        return self.expected_tokens_curve()[depth]
+
+    def cost_curve(self) -> list[float] | None:
+        """``[c(0), …, c(n_max)]`` [s per step]; None before any step time is known.
+
+        Measured depths give their mean; the others are interpolated linearly between the
+        nearest measured depths, or extended with the slope of the nearest segment (flat
+        when only one depth is measured: optimistic, it invites exploring).
+        """
+        known = [d for d in range(self.n_max + 1) if self.cost_n[d]]
+        if not known:
+            return None
+        m = self.cost_mean
+        if len(known) == 1:
+            return [m[known[0]]] * (self.n_max + 1)
+        out, seg = [], 0  # seg: index in ``known`` of the segment's left end
+        for d in range(self.n_max + 1):
+            while seg < len(known) - 2 and d > known[seg + 1]:
+                seg += 1
+            a, b = known[seg], known[seg + 1]
+            out.append(m[d] if self.cost_n[d] else max(m[a] + (m[b] - m[a]) * (d - a) / (b - a), 1e-9))
+        return out
+
+    def cost(self, depth: int) -> float | None:
+        """``c(depth)`` [s per step]; None before any step time is known."""
+        curve = self.cost_curve()
+        return None if curve is None else curve[depth]
+
+    def speeds(self) -> list[float] | None:
+        """``[v(0), …, v(n_max)]`` with ``v(d) = E(d) / c(d)`` [tokens/s]; None before any step time."""
+        costs = self.cost_curve()
+        if costs is None:
+            return None
+        return [e / c for e, c in zip(self.expected_tokens_curve(), costs)]
+
+    # ---- the calls of the loop ---------------------------------------------------------
+
+    def start_request(self) -> None:
+        """A new request begins: while drafting is off, its first step probes (one step's cost)."""
+        if self.steps < self.WARMUP_STEPS:
+            return
+        self._decide()  # first, so a probe is forced only if drafting really is off
+        if self.depth == 0:
+            self._since_probe = max(self._since_probe, self.probe_every * self._backoff)
+
+    def choose(self) -> int:
+        """Depth to draft in the next step (0 = plain decoding). Deterministic given the state."""
+        if self.steps < self.WARMUP_STEPS:
+            return 0 if self.steps % 2 else self.n_max
+        self._decide()
+        probe = self._probe_depth()
+        self._probing = probe is not None
+        return self.depth if probe is None else probe
+
+    def update(self, depth: int, n_accepted: int, seconds: float) -> None:
+        """Record one step: ``depth`` tokens drafted, ``n_accepted`` accepted, ``seconds`` of wall time.
+
+        ``depth`` is what was actually drafted (it may be less than :meth:`choose` said,
+        near ``max_tokens`` or when a drafter finds nothing to propose).
+
+        Raises:
+            ValueError: counts out of range or a negative / non-finite time.
+        """
+        if not 0 <= n_accepted <= depth <= self.n_max:
+            raise ValueError(f"need 0 <= n_accepted ({n_accepted}) <= depth ({depth}) <= n_max ({self.n_max})")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"step time must be a finite number of seconds >= 0, got {seconds!r}")
+        # acceptance: positions 1..n_accepted passed; position n_accepted+1 (if drafted) failed
+        keep = 1.0 - self.acceptance_decay
+        for k in range(min(depth, n_accepted + 1)):
+            # old evidence decays by the steps since this position was last tested, so the
+            # first probe after a long time off is not outvoted by counts from long ago
+            f = keep ** (self.steps - self._last_test[k])
+            self.tested[k] = f * self.tested[k] + 1.0
+            self.passed[k] = f * self.passed[k] + float(k < n_accepted)
+            self._last_test[k] = self.steps
+        # cost: skip the first step at a depth (one-time work), clip stalls, then EW mean
+        if self._seen[depth]:
+            n, mean = self.cost_n[depth], self.cost_mean[depth]
+            x = min(seconds, 4.0 * mean) if n >= 3 else seconds
+            self.cost_mean[depth] = mean + max(self.cost_decay, 1.0 / (n + 1)) * (x - mean)
+            self.cost_n[depth] = n + 1
+        self._seen[depth] = True
+        self.steps += 1
+        if self._probing:
+            self._probing = False
+            self._since_probe = 0
+            self._n_probes += 1
+            if self.depth == 0:  # still off after this probe: wait longer before the next
+                self._backoff = min(2 * self._backoff, self.max_backoff)
+        else:
+            self._since_probe += 1
+
+    # ---- decisions ---------------------------------------------------------------------
+
+    def _decide(self) -> None:
+        """Move the standing depth to the fastest one when it wins by more than ``margin``."""
+        speeds = self.speeds()
+        if speeds is None:
+            return  # no step time yet: keep drafting at the standing depth
+        best = max(range(self.n_max + 1), key=lambda d: speeds[d])  # ties: the smaller depth
+        if speeds[best] > speeds[self.depth] * (1.0 + self.margin):
+            if self.depth == 0:
+                self._backoff = 1  # drafting pays again: probe at the normal rate
+            self.depth = best
+
+    def _probe_depth(self) -> int | None:
+        """The probe depth when a probe is due, else None."""
+        if self.depth == 0:
+            due, probe = self._since_probe >= self.probe_every * self._backoff, self.off_probe_depth
+        else:
+            due = self._since_probe >= self.probe_every
+            # alternate plain-decoding cost and the full depth (tail acceptance, cost)
+            probe = 0 if self._n_probes % 2 == 0 or self.depth == self.n_max else self.n_max
+        return probe if due else None
+
+    def snapshot(self) -> dict:
+        """Current estimates, for logs and docs: depth, α_k, E(d), c(d) [ms], v(d) [tokens/s]."""
+        costs, speeds = self.cost_curve(), self.speeds()
+        return {
+            "depth": self.depth, "steps": self.steps,
+            "acceptance": [round(a, 4) for a in self.acceptance()],
+            "expected_tokens": [round(e, 4) for e in self.expected_tokens_curve()],
+            "cost_ms": None if costs is None else [round(1e3 * c, 3) for c in costs],
+            "tokens_per_second": None if speeds is None else [round(v, 3) for v in speeds],
+        }
+
+
+def make_controller(kind: str, n_max: int) -> ProfitController | None:
+    """The controller ``--spec-dm-controller kind`` asks for; None for ``off`` (fixed depth).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "off":
+        return None
+    if kind == "profit":
+        return ProfitController(n_max)
+    raise ValueError(f"unknown --spec-dm-controller {kind!r}; choose from {', '.join(CONTROLLERS)}")
