@@ -19,6 +19,11 @@ COMMANDS = {
 }
 
 
+WEIGHTS_CHOICES = ("fp32", "bf16")
+WEIGHTS_HELP = ("target weight dtype (default: fp32); bf16 halves the bytes a decode step reads but is "
+                "fast only on a CPU with AVX512-BF16 or AMX (slower than fp32 elsewhere)")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Model-selection flags shared by generate/eval/bench (llama-server names)."""
     p.add_argument("-m", "--model", default=None,
@@ -34,6 +39,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
+    p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch")
 
 
@@ -41,7 +47,7 @@ def engine_config(args):
     from flashdraft.engine import EngineConfig
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller)
+                        controller=args.spec_dm_controller, weights=args.weights)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,9 @@ class EngineConfig:
         ctx_size: positions per sequence (``-c``).
         cross_ctx: DFlash drafter attends to at most this many recent positions.
         ngram_max / ngram_min: n-gram sizes of prompt lookup.
+        weights: target weight dtype, ``fp32`` or ``bf16`` (``--weights``); bf16 halves the bytes
+            a decode step reads but is fast only on CPUs with AVX512-BF16/AMX. Greedy
+            speculative output equals the greedy baseline under the same weights.
     """
 
     model: str | None = None
@@ -52,10 +55,12 @@ class EngineConfig:
     cross_ctx: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
+    #: dtype of a loaded drafter network (``draft`` / ``dflash``); the target's is ``weights``
     dtype: torch.dtype = torch.float32
     #: profit by default: a drafter that loses on this machine or prompt (τ ≈ 1.1 on CPU) would
     #: otherwise make decoding slower than plain; the controller keeps it at >= plain speed
     controller: str = "profit"
+    weights: str = "fp32"
 
 
 def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
@@ -100,11 +105,11 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     initialisation (the first forward of a process is several times slower on CPU).
 
     Raises:
-        ValueError: unknown spec type or controller, or a drafter that needs a path and has none.
+        ValueError: unknown spec type, controller or weights, or a drafter that needs a path and has none.
     """
     make_controller(cfg.controller, 1)  # refuse an unknown controller before loading anything
     if target is None:
-        target = Target.load(cfg.model, cfg.dtype)
+        target = Target.load(cfg.model, weights=cfg.weights)
     drafter = load_drafter(cfg, target)
     controller = None
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:

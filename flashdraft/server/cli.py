@@ -58,6 +58,7 @@ REASONING = ("on", "off", "auto")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``flashdraft serve``'s flags (llama-server names) to ``parser``."""
+    from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP
     from flashdraft.engine import SPEC_TYPES
 
     m = parser.add_argument_group("model and drafter")
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the DFlash drafter attends to at most the N most recent target positions")
     m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                    help="context size in tokens, prompt + output (default: 4096)")
+    m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models and in responses")
     m.add_argument("--jinja", action="store_true",
                    help="use the model's Jinja chat template (always on: templates run with transformers)")
@@ -151,7 +153,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller)
+                        controller=args.spec_dm_controller, weights=args.weights)
 
 
 def run(args: argparse.Namespace) -> int:
