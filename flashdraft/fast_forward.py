@@ -294,3 +294,96 @@ class LeanForward:
         logits = self.lm_head(h)[0].float()  # [T - logits_from, V]
         features = torch.cat([kept[i] for i in feature_layer_ids], dim=-1) if feature_layer_ids else None
         return logits, features
+
+    # -- several sequences in one forward (the server's parallel slots) ------------------
+    def _block_mask(self, T: int, L: int) -> tuple[bool, torch.Tensor | None]:
+        """``(causal, bias)`` for a block of ``T`` rows after ``L`` cached positions, as in
+        :meth:`forward`: nothing for one row, SDPA's causal mask from position 0, else an
+        additive ``[group*T, L+T]`` bias (row t sees positions <= L+t)."""
+        causal = L == 0 and T > 1
+        if T == 1 or causal:
+            return causal, None
+        allowed = torch.ones(T, L + T, dtype=torch.bool).tril_(L)
+        bias = torch.zeros(T, L + T, dtype=self.attn_dtype).masked_fill_(allowed.logical_not(), float("-inf"))
+        return False, bias.repeat(self.group, 1)
+
+    def forward_packed(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
+                       feature_layer_ids: list[int] | tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`forward` for several sequences at once, packed into one set of matmuls.
+
+        A decode or verify step reads every weight once for a handful of rows, so on a
+        memory-bound CPU its cost is mostly the weight traffic. Here the rows of all
+        sequences are concatenated: embedding, q/k/v, o_proj, MLP and LM-head matmuls run
+        once over all of them (the weights are read once per step instead of once per
+        sequence); RoPE is per row (each row carries its own position); only the cache
+        write and the attention run per sequence, over that sequence's own cache.
+
+        Args:
+            items: per sequence ``(token_ids [T_i] int64, cache, logits_from_i)``; each
+                sequence's tokens go at positions ``cache.length ..`` of its own cache.
+            feature_layer_ids: decoder layers whose outputs to return, in this order.
+        Returns:
+            per item, in order, ``(logits [T_i - logits_from_i, V] float32, features
+            [T_i, k*H] or None)``: what :meth:`forward` returns for it alone (equal up to
+            float32 summation order; bit-identical with bf16 weights, whose prepacked
+            multi-row matmuls are row-invariant). Each cache grows by its ``T_i``.
+        Raises:
+            ValueError: the same cache appears twice (the rows would overwrite each other).
+        A cache that is not a plain :class:`StaticKVCache` (e.g. a compressed one) makes the
+        whole call fall back to one :meth:`forward` per item.
+        """
+        if any(type(cache) is not StaticKVCache for _, cache, _ in items) or len(items) == 1:
+            return [self.forward(t, cache, lf, feature_layer_ids) for t, cache, lf in items]
+        if len({id(cache) for _, cache, _ in items}) != len(items):
+            raise ValueError("forward_packed: each item needs its own cache")
+        spans = []  # per item: (first row, T, L, S, causal, bias)
+        row = 0
+        for token_ids, cache, _ in items:
+            T, L = int(token_ids.shape[0]), cache.length
+            cache.reserve(T)
+            spans.append((row, T, L, L + T, *self._block_mask(T, L)))
+            row += T
+        self._rope_table(max(s[3] for s in spans))
+        positions = torch.cat([torch.arange(L, S) for _, _, L, S, _, _ in spans])
+        cos, sin = self._cos[positions, None], self._sin[positions, None]  # [N, 1, hd]
+        want = set(feature_layer_ids)
+        kept: dict[int, torch.Tensor] = {}
+        N, nh, nkv, hd, eps, ad = row, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.attn_dtype
+
+        x = F.embedding(torch.cat([t for t, _, _ in items]), self.embed.weight)  # [N, H]
+        for i, layer in enumerate(self.layers):
+            qkv, o_proj, gate_up, down = self.proj[i]
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm.weight, eps)
+            q, k, v = qkv(h)
+            q, k, v = q.view(N, nh, hd), k.view(N, nkv, hd), v.view(N, nkv, hd)
+            if self.qk_norm:
+                q = _rms_norm(q, attn.q_norm.weight, eps)
+                k = _rms_norm(k, attn.k_norm.weight, eps)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            parts = []
+            for (r, T, L, S, causal, bias), (_, cache, _) in zip(spans, items):
+                keys, values = cache.k[i], cache.v[i]  # this sequence's [n_kv, capacity, hd]
+                keys[:, L:S] = k[r:r + T].transpose(0, 1)
+                values[:, L:S] = v[r:r + T].transpose(0, 1)
+                parts.append(self._attention(q[r:r + T].to(ad), keys[:, :S].to(ad), values[:, :S].to(ad),
+                                             bias, causal))
+            a = torch.cat(parts).to(x.dtype)  # [N, nh*hd]
+            x = x + o_proj(a)[0]
+            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps)
+            gate, up = gate_up(h)
+            x = x + down(F.silu(gate) * up)[0]
+            if i in want:
+                kept[i] = x
+        for (_, _, _, S, _, _), (_, cache, _) in zip(spans, items):
+            cache.length = S
+
+        # one LM-head matmul over the rows that need logits, split back per sequence
+        rows = torch.cat([torch.arange(r + lf, r + T) for (r, T, *_), (_, _, lf) in zip(spans, items)])
+        logits = self.lm_head(_rms_norm(x[rows], self.final_norm.weight, eps))[0].float()
+        out = []
+        for (r, T, *_), part in zip(spans, logits.split([T - lf for (_, T, *_), (_, _, lf) in zip(spans, items)])):
+            features = torch.cat([kept[j][r:r + T] for j in feature_layer_ids], dim=-1) if feature_layer_ids else None
+            out.append((part, features))
+        return out

@@ -5,7 +5,10 @@
         ─► accept prefix + bonus token
         ─► rollback target cache, drafter.commit ─► stops (EOS, stop strings, max_tokens)
 
-Read top to bottom in :meth:`SpeculativeGenerator.generate`.
+Read top to bottom in :class:`Sequence` (``prepare`` -> the target forward -> ``finish``,
+numbered 1-5); :meth:`SpeculativeGenerator.generate` steps one sequence with its own
+forward, the server's parallel slots step several with one packed forward
+(:mod:`flashdraft.batch`).
 """
 
 from __future__ import annotations
@@ -154,117 +157,190 @@ class SpeculativeGenerator:
                  ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
+        One :class:`Sequence` stepped on its own: each step is one target forward (the
+        prefill, then one verify per step). The server's parallel slots step several
+        sequences with one packed forward instead (:mod:`flashdraft.batch`).
+
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
             ValueError: ``max_tokens < 1`` or an empty prompt.
             Cancelled: when ``cancelled()`` turns True (checked once per verify step).
         """
-        self.check_prompt(len(prompt_ids))
+        seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos)
+        while not seq.done:
+            if seq.prefilled and cancelled is not None and cancelled():
+                raise Cancelled()
+            logits, features = self.target.forward(*seq.prepare())
+            yield seq.finish(logits, features)
+
+
+class Sequence:
+    """One request's state in the speculative loop, stepped by whoever owns the target forward.
+
+    A step is ``prepare()`` -> one target forward over its result -> ``finish(logits,
+    features)``: the first step is the prefill, every later one drafts, verifies and
+    accepts. Splitting the loop at the forward is what lets the server pack the forwards of
+    several sequences into one (:meth:`flashdraft.target.Target.forward_packed`) while each
+    keeps its own cache, drafter state, sampling generator, stops and timings.
+
+    Args:
+        generator: target, context size and default depth (its drafter and controller
+            unless ``drafter`` / ``controller`` are given).
+        prompt_ids / max_tokens / params / stop / n_draft / ignore_eos: as in
+            :meth:`SpeculativeGenerator.generate`.
+        drafter: this sequence's drafter (a parallel slot's own, see :meth:`Drafter.fork`);
+            it is ``reset()`` here.
+        controller: this sequence's depth controller (a slot's own); None = the generator's.
+    Raises:
+        ContextOverflowError: prompt too long for ``ctx_size``.
+        ValueError: ``max_tokens < 1`` or an empty prompt.
+    """
+
+    def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,
+                 params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
+                 ignore_eos: bool = False, drafter: Drafter | None = None,
+                 controller: ProfitController | None = None):
+        generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        n_draft = self.n_draft if n_draft is None else n_draft
-        gen = params.make_generator()
-        eos = set() if ignore_eos else self.target.eos_token_ids
-        stream = TextStream(self.target.decode, stop)
-        t = Timings(prompt_n=len(prompt_ids))
-        cache = self.target.new_cache()
+        target = generator.target
+        self.target, self.ctx_size, self.max_tokens, self.params = target, generator.ctx_size, max_tokens, params
+        self.n_draft = generator.n_draft if n_draft is None else n_draft
+        self.drafter = generator.drafter if drafter is None else drafter
+        self.controller = generator.controller if controller is None else controller
+        self.drafting = not isinstance(self.drafter, NoDrafter)
+        self.gen = params.make_generator()
+        self.eos = set() if ignore_eos else target.eos_token_ids
+        self.stream = TextStream(target.decode, stop)
+        self.t = Timings(prompt_n=len(prompt_ids))
+        self.cache = target.new_cache()
+        self.tokens = torch.tensor(prompt_ids, dtype=torch.long)  # committed ids (the last: the anchor)
+        self.prefilled = False
+        self.finish_reason: str | None = None
         self.drafter.reset()
         if self.controller is not None:
             self.controller.start_request()
+        # filled by prepare() for finish(): this step's drafts, depth and start time
+        self._draft = None
+        self._drafts = torch.empty(0, dtype=torch.long)
+        self._depth = self._standing = 0
+        self._t0 = self._t1 = 0.0
 
-        # 1. prefill: one target forward over the prompt; context features for the drafter
-        t0 = time.perf_counter()
-        tokens = torch.tensor(prompt_ids, dtype=torch.long)
-        logits, features = self.target.forward(tokens, cache, logits_from=len(prompt_ids) - 1)
-        first = choose_token(logits[-1], params, gen)
-        self.drafter.commit(len(prompt_ids), features)
-        tokens = torch.cat([tokens, torch.tensor([first])])
-        t1 = time.perf_counter()
-        t.prompt_ms = 1e3 * (t1 - t0)
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
-        finish, kept = self._emit(stream, [first], eos, max_tokens, t)
+    def prepare(self) -> tuple[torch.Tensor, object, int]:
+        """This step's target input: ``(token_ids [T], cache, logits_from)`` for ``Target.forward``."""
+        if not self.prefilled:
+            # 1. prefill: one target forward over the prompt (logits of the last row only)
+            self._t0 = time.perf_counter()
+            return self.tokens, self.cache, self.tokens.shape[0] - 1
+        # 2. draft: depth from the controller (or fixed); never past max_tokens (the bonus
+        #    token adds one) or the context
+        t = self.t
+        self._depth, self._standing = self._choose_depth()
+        room = min(self._depth, self.max_tokens - t.predicted_n - 1, self.ctx_size - self.tokens.shape[0])
+        self._t0 = time.perf_counter()
+        self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen) if room > 0 else None
+        self._drafts = self._draft.tokens[:room] if self._draft is not None else torch.empty(0, dtype=torch.long)
+        # 3. verify: one target forward over [anchor, drafts]
+        return torch.cat([self.tokens[-1:], self._drafts]), self.cache, 0
+
+    def finish(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
+        """Consume the forward of :meth:`prepare`'s input: ``logits [T - logits_from, V]``,
+        ``features [T, F]`` or None. Returns the step's output (``finish_reason`` set on the last)."""
+        if not self.prefilled:
+            return self._finish_prefill(logits, features)
+        return self._finish_verify(logits, features)
+
+    def _finish_prefill(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
+        # the first token; the prompt's features become the drafter's context
+        first = choose_token(logits[-1], self.params, self.gen)
+        self.drafter.commit(self.tokens.shape[0], features)
+        self.tokens = torch.cat([self.tokens, torch.tensor([first])])
+        self.prefilled = True
+        self._t1 = time.perf_counter()
+        t = self.t
+        t.prompt_ms = 1e3 * (self._t1 - self._t0)
+        finish, kept = _emit(self.stream, [first], self.eos, self.max_tokens, t)
         t.n_steps = 1
-        yield Step(stream.delta(finish is not None), kept, finish, t if finish else None)
-        while finish is None:
-            if cancelled is not None and cancelled():
-                raise Cancelled()
-            # 2. draft: depth from the controller (or fixed); never past max_tokens (the
-            #    bonus token adds one) or the context
-            depth, standing = self._choose_depth(n_draft)
-            room = min(depth, max_tokens - t.predicted_n - 1, self.ctx_size - tokens.shape[0])
-            t_step = time.perf_counter()
-            draft = self.drafter.propose(tokens, room, params, gen) if room > 0 else None
-            drafts = draft.tokens[:room] if draft is not None else torch.empty(0, dtype=torch.long)
-            n = drafts.shape[0]
+        self.finish_reason = finish
+        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None)
 
-            # 3. verify: one target forward over [anchor, drafts]
-            anchor_at = tokens.shape[0] - 1
-            logits, features = self.target.forward(torch.cat([tokens[-1:], drafts]), cache)  # [n+1, V]
-            if params.greedy:
-                n_acc, bonus = verify_greedy(drafts, logits)
-            else:
-                q = draft.probs[:n] if draft is not None and draft.probs is not None else None
-                n_acc, bonus = verify_sampling(drafts, q, filtered_probs(logits, params), gen)
+    def _finish_verify(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
+        t, drafts, draft, params = self.t, self._drafts, self._draft, self.params
+        n = drafts.shape[0]
+        # accept the longest prefix equal to the target's argmax (T=0) or by speculative
+        # sampling (T>0); logits are [n+1, V]
+        if params.greedy:
+            n_acc, bonus = verify_greedy(drafts, logits)
+        else:
+            q = draft.probs[:n] if draft is not None and draft.probs is not None else None
+            n_acc, bonus = verify_sampling(drafts, q, filtered_probs(logits, params), self.gen)
 
-            # 4. rollback: keep K/V of the anchor and the accepted drafts only
-            cache.rollback(anchor_at + n_acc + 1)
-            new = drafts[:n_acc].tolist() + [bonus]
-            tokens = torch.cat([tokens, torch.tensor(new)])
-            self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
-            if self.controller is not None:  # what this depth cost: draft + verify + rollback [s]
-                self.controller.update(n, n_acc, time.perf_counter() - t_step)
+        # 4. rollback: keep K/V of the anchor and the accepted drafts only
+        anchor_at = self.tokens.shape[0] - 1
+        self.cache.rollback(anchor_at + n_acc + 1)
+        new = drafts[:n_acc].tolist() + [bonus]
+        self.tokens = torch.cat([self.tokens, torch.tensor(new)])
+        self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
+        if self.controller is not None:  # what this depth cost: draft + verify + rollback [s]
+            self.controller.update(n, n_acc, time.perf_counter() - self._t0)
 
-            # 5. stops; count only what is returned
-            finish, kept = self._emit(stream, new, eos, max_tokens, t)
-            if finish is None and tokens.shape[0] >= self.ctx_size:
-                finish = "length"
-            t.n_steps += 1
-            t.draft_depth_sum += depth
-            t.draft_depth_last = standing
-            if n:
-                t.n_drafts += 1
-                t.draft_n += n
-                t.draft_n_accepted += min(n_acc, len(kept))
-                self._count_positions(t, n, min(n_acc, len(kept)))
-            t.predicted_ms = 1e3 * (time.perf_counter() - t1)
-            yield Step(stream.delta(finish is not None), kept, finish, t if finish else None)
+        # 5. stops; count only what is returned
+        finish, kept = _emit(self.stream, new, self.eos, self.max_tokens, t)
+        if finish is None and self.tokens.shape[0] >= self.ctx_size:
+            finish = "length"
+        t.n_steps += 1
+        t.draft_depth_sum += self._depth
+        t.draft_depth_last = self._standing
+        if n:
+            t.n_drafts += 1
+            t.draft_n += n
+            t.draft_n_accepted += min(n_acc, len(kept))
+            _count_positions(t, n, min(n_acc, len(kept)))
+        t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
+        self.finish_reason = finish
+        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None)
 
-    def _choose_depth(self, n_draft: int) -> tuple[int, int]:
+    def _choose_depth(self) -> tuple[int, int]:
         """``(depth, standing)``: draft tokens to ask for this step, and the controller's
         standing depth (probes aside); both ``n_draft`` with the controller off, both at most
         ``n_draft`` and the drafter's longest draft, ``(0, 0)`` without a drafter."""
         if not self.drafting:
             return 0, 0
+        n_draft = self.n_draft
         cap = n_draft if self.drafter.max_draft is None else min(n_draft, self.drafter.max_draft)
         if self.controller is None:
             return cap, cap
         depth = min(cap, self.controller.choose())  # choose() first: it may move the standing depth
         return depth, min(cap, self.controller.depth)
 
-    @staticmethod
-    def _count_positions(t: Timings, n: int, n_acc: int) -> None:
-        while len(t.drafted_per_position) < n:
-            t.drafted_per_position.append(0)
-            t.accepted_per_position.append(0)
-        for k in range(n):
-            t.drafted_per_position[k] += 1
-            t.accepted_per_position[k] += int(k < n_acc)
 
-    @staticmethod
-    def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
-              t: Timings) -> tuple[str | None, list[int]]:
-        """Feed new tokens through the stop rules; returns (finish_reason, tokens kept)."""
-        kept = []
-        for tok in new:
-            if tok in eos:
-                return "stop", kept
-            kept.append(tok)
-            t.predicted_n += 1
-            if stream.add(tok):
-                return "stop", kept
-            if t.predicted_n >= max_tokens:
-                return "length", kept
-        return None, kept
+def _count_positions(t: Timings, n: int, n_acc: int) -> None:
+    while len(t.drafted_per_position) < n:
+        t.drafted_per_position.append(0)
+        t.accepted_per_position.append(0)
+    for k in range(n):
+        t.drafted_per_position[k] += 1
+        t.accepted_per_position[k] += int(k < n_acc)
+
+
+def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
+          t: Timings) -> tuple[str | None, list[int]]:
+    """Feed new tokens through the stop rules; returns (finish_reason, tokens kept)."""
+    kept = []
+    for tok in new:
+        if tok in eos:
+            return "stop", kept
+        kept.append(tok)
+        t.predicted_n += 1
+        if stream.add(tok):
+            return "stop", kept
+        if t.predicted_n >= max_tokens:
+            return "length", kept
+    return None, kept
 
 
 def generate_text(generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,

@@ -308,3 +308,19 @@ class Target:
             features = torch.cat([self._captured[i][0] for i in self._feature_layer_ids], dim=-1)
             self._captured = {}
         return logits, features
+
+    @torch.inference_mode()
+    def forward_packed(self, items: list[tuple[torch.Tensor, object, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`forward` for several sequences (the server's parallel slots) in one pass.
+
+        Args:
+            items: per sequence ``(token_ids [T_i], cache, logits_from_i)``, each with its own cache.
+        Returns:
+            per item ``(logits [T_i - logits_from_i, V] float32, features [T_i, F] or None)``.
+        On the lean path with plain static caches the rows of all sequences share one set of
+        matmuls (:meth:`LeanForward.forward_packed`: the weights are read once per step, not
+        once per sequence); any other cache runs one :meth:`forward` per item.
+        """
+        if self.lean is not None and all(type(cache) is StaticKVCache for _, cache, _ in items):
+            return self.lean.forward_packed(items, self._feature_layer_ids)
+        return [self.forward(t, cache, lf) for t, cache, lf in items]
