@@ -87,3 +87,149 @@ def test_forward_packed_falls_back_for_other_caches():
     cache = target.new_cache()
     with pytest.raises(ValueError, match="own cache"):
         target.forward_packed([(torch.tensor([5]), cache, 0), (torch.tensor([6]), cache, 0)])
+
+
+# -- the scheduler with -np > 1 -----------------------------------------------------------
+
+def _job(prompt, n, params=GREEDY, stop=()) -> GenerationJob:
+    return GenerationJob(list(prompt), n, params, list(stop), ignore_eos=True)
+
+
+async def _collect(ticket) -> tuple[list[int], str, float]:
+    """(token ids, finish reason, monotonic time of the last event)."""
+    ids, finish = [], None
+    async for step in ticket.events():
+        ids.extend(step.token_ids)
+        finish = step.finish_reason
+    return ids, finish, time.monotonic()
+
+
+def _serve(generator, n_slots, coro_fn):
+    async def main():
+        s = Scheduler(generator, n_slots=n_slots)
+        s.start()
+        try:
+            return await coro_fn(s)
+        finally:
+            s.stop()
+    return asyncio.run(main())
+
+
+def _drafters(target):
+    return [None, NgramDrafter(), DFlashDrafter(random_dflash_model(target.model, num_layers=1, block_size=6),
+                                                target.embed_tokens, target.lm_head)]
+
+
+@pytest.mark.parametrize("which", ["none", "ngram", "dflash"])
+def test_concurrent_greedy_requests_equal_each_request_alone(which):
+    target = tiny_target("llama")
+    drafter = _drafters(target)[["none", "ngram", "dflash"].index(which)]
+    gen = SpeculativeGenerator(target, drafter, ctx_size=256, n_draft=5)
+    lengths = [30, 11, 24, 17]
+    alone = [generate_text(gen, p, n, GREEDY, ignore_eos=True)[1] for p, n in zip(PROMPTS, lengths)]
+
+    async def go(s):
+        tickets = [s.submit(_job(p, n)) for p, n in zip(PROMPTS, lengths)]
+        return await asyncio.gather(*(_collect(t) for t in tickets))
+
+    results = _serve(gen, 4, go)
+    assert [r[0] for r in results] == alone
+    assert [r[1] for r in results] == ["length"] * 4
+
+
+def test_more_requests_than_slots_all_finish_identically():
+    gen = SpeculativeGenerator(tiny_target("qwen3"), NgramDrafter(), ctx_size=256, n_draft=4)
+    jobs = [(p, 9 + 3 * i) for i, p in enumerate(PROMPTS + PROMPTS[::-1])]
+    alone = [generate_text(gen, p, n, GREEDY, ignore_eos=True)[1] for p, n in jobs]
+
+    async def go(s):
+        return await asyncio.gather(*(_collect(s.submit(_job(p, n))) for p, n in jobs))
+
+    assert [r[0] for r in _serve(gen, 3, go)] == alone
+
+
+def test_a_long_request_does_not_block_a_short_one():
+    gen = SpeculativeGenerator(tiny_target("llama"), NgramDrafter(), ctx_size=1024, n_draft=4)
+
+    async def go(s):
+        long = asyncio.ensure_future(_collect(s.submit(_job(PROMPTS[0], 600))))
+        await asyncio.sleep(0.05)  # the long one is already decoding
+        short = await _collect(s.submit(_job(PROMPTS[1], 5)))
+        return short, await long
+
+    short, long = _serve(gen, 2, go)
+    assert len(short[0]) == 5 and len(long[0]) == 600
+    assert short[2] < long[2], "the short request waited for the long one"
+
+
+def test_cancelled_request_frees_its_slot_while_others_finish():
+    gen = SpeculativeGenerator(tiny_target("llama"), NgramDrafter(), ctx_size=1024, n_draft=4)
+    expected = generate_text(gen, PROMPTS[2], 8, GREEDY, ignore_eos=True)[1]
+    b_ids: list[int] = []
+
+    async def follow(ticket):
+        async for step in ticket.events():
+            b_ids.extend(step.token_ids)
+
+    async def go(s):
+        a = s.submit(_job(PROMPTS[0], 900))
+        b = asyncio.ensure_future(follow(s.submit(_job(PROMPTS[1], 900))))
+        events = a.events()
+        await events.__anext__()  # a is decoding
+        a.cancel()  # its client left
+        with pytest.raises(Cancelled):
+            async for _ in events:
+                pass
+        c = await _collect(s.submit(_job(PROMPTS[2], 8)))  # takes a's slot while b decodes
+        b_when_c_done = len(b_ids)
+        await b
+        return c, b_when_c_done
+
+    c, b_when_c_done = _serve(gen, 2, go)
+    assert c[0] == expected and len(b_ids) == 900
+    # with a's slot still taken, c could start only after a or b ran all 900 tokens
+    assert b_when_c_done < 450, "the new request did not get the cancelled request's slot"
+
+
+def test_a_failing_request_fails_alone():
+    gen = SpeculativeGenerator(tiny_target("llama"), NgramDrafter(), ctx_size=64, n_draft=4)
+    from flashdraft.server.scheduler import JobFailed
+
+    async def go(s):
+        ok = asyncio.ensure_future(_collect(s.submit(_job(PROMPTS[0], 20))))
+        bad = s.submit(_job(list(range(1, 60)) + [1] * 10, 5))  # longer than the context
+        with pytest.raises(JobFailed, match="context size"):
+            await _collect(bad)
+        return await ok
+
+    assert len(_serve(gen, 2, go)[0]) == 20
+
+
+def test_seeded_sampling_in_slots_equals_alone():
+    """Each slot samples from its own generator: a seeded request (fixed depth) reproduces
+    its solo output while other requests decode next to it."""
+    gen = SpeculativeGenerator(tiny_target("llama"), NgramDrafter(), ctx_size=256, n_draft=4)
+    params = [SamplingParams(temperature=1.2, seed=7 + i) for i in range(3)]
+    alone = [generate_text(gen, p, 15, sp, ignore_eos=True)[1] for p, sp in zip(PROMPTS, params)]
+
+    async def go(s):
+        return await asyncio.gather(*(_collect(s.submit(_job(p, 15, sp))) for p, sp in zip(PROMPTS, params)))
+
+    assert [r[0] for r in _serve(gen, 3, go)] == alone
+
+
+@pytest.mark.real
+def test_real_model_concurrent_greedy_equals_alone():
+    from flashdraft.engine import EngineConfig, load_engine
+    from flashdraft.prompts import SEED_PROMPTS
+
+    gen = load_engine(EngineConfig(spec_type="dflash"))  # packaged SmolLM2 + shipped drafter, profit controller
+    t = gen.target
+    prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in SEED_PROMPTS]
+    prompts.append(t.chat_prompt_ids([{"role": "user", "content": "Write a haiku about caches."}]))
+    alone = [generate_text(gen, p, 24, GREEDY)[1] for p in prompts]
+
+    async def go(s):
+        return await asyncio.gather(*(_collect(s.submit(GenerationJob(p, 24, GREEDY, []))) for p in prompts))
+
+    assert [r[0] for r in _serve(gen, 4, go)] == alone

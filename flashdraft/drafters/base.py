@@ -7,6 +7,7 @@ Positions (one sequence): ``tokens[0..L-1]`` are committed; the last one is the 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,18 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget the previous sequence (called before every request)."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for another concurrent sequence (a server slot): a shallow copy that
+        shares this one's weights and settings, with its own per-sequence state.
+
+        Everything a drafter keeps per sequence is created by :meth:`reset` (a DFlash
+        context cache, a draft model's KV cache), so resetting the copy detaches it; the
+        weights are never written, so sharing them between slots is safe.
+        """
+        clone = copy.copy(self)
+        clone.reset()
+        return clone
 
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:
         """Positions ``0..n_context-1`` are now final context.

@@ -197,7 +197,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                   "n_predict": settings.n_predict, "speculative.n_max": g.n_draft}
         return JSONResponse({
             "default_generation_settings": {"n_ctx": g.ctx_size, "params": params},
-            "total_slots": 1,
+            "total_slots": state.scheduler.n_slots,
             "model_alias": state.model_id,
             "model_path": settings.model_path or g.target.name,
             "chat_template": state.prompts.chat_template or "",

@@ -100,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     h.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     h.add_argument("-np", "--parallel", type=_positive_int, default=1,
-                   help="accepted; requests queue on one slot for now (batched slots come later)")
+                   help="parallel slots: up to N requests decode together, their verify steps packed "
+                        "into one target forward per step (more total tokens/s, each request a bit "
+                        "slower); further requests wait for a free slot (default: 1)")
     h.add_argument("--metrics", action="store_true", help="expose Prometheus metrics at /metrics")
     h.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -181,8 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if ignored:
         log.info("ignoring flags that mean nothing on this engine: %s", ", ".join(ignored))
     if args.parallel > 1:
-        log.info("-np %d: requests queue and run one at a time for now (batched slots come later)",
-                 args.parallel)
+        log.info("-np %d: up to %d requests decode together", args.parallel, args.parallel)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -3,13 +3,17 @@
     handler (event loop) ──submit(job)──► queue ──► worker thread: generator.generate(...)
     handler ◄── Ticket.events() ◄── EventChannel (call_soon_threadsafe) ◄── each Step
 
-Why one thread: the target, the drafter and their caches are not shareable between
-concurrent sequences yet (batched slots are later work), and torch already uses every
-core inside one forward.
+Why one thread: torch already uses every core inside one forward, and the target's
+weights are the shared resource: with ``-np N > 1`` the worker decodes up to N requests
+together, packing their verify (and prefill) rows into one target forward per step
+(:mod:`flashdraft.batch`); new requests join free slots between steps. With ``-np 1`` (the
+default) it runs one request at a time through ``generator.generate``, exactly as before.
 
 Cancellation: a :class:`Ticket` carries a ``threading.Event``. The handler sets it when its
-client disconnects; the loop's ``cancelled`` callback reads it before every verify step, so
-the slot frees within one step; a ticket cancelled while still queued never runs.
+client disconnects; the worker reads it before every step (``-np 1``: every verify step),
+so the slot frees within one step; a ticket cancelled while still queued never runs.
+Delivering a step never waits for the client (events go into an unbounded asyncio queue),
+so a slow reader never stalls the other slots.
 The worker survives any exception raised by one request and reports it on that request's
 channel.
 """
@@ -24,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from flashdraft import batch
 from flashdraft.generate import Cancelled, SpeculativeGenerator, Step
 from flashdraft.sampling import SamplingParams
 from flashdraft.server.metrics import ServerMetrics
@@ -128,22 +133,30 @@ class Ticket:
 
 
 class Scheduler:
-    """Owns ``generator`` on one worker thread and runs submitted jobs one at a time (FIFO).
+    """Owns ``generator`` on one worker thread and runs submitted jobs (FIFO admission).
 
     Args:
         generator: the loaded speculative generator.
         metrics: counters to update, or None.
+        n_slots: requests decoded together (``-np``); 1 = one at a time.
+    Raises:
+        ValueError: ``n_slots < 1``.
     """
 
-    def __init__(self, generator: SpeculativeGenerator, metrics: ServerMetrics | None = None):
+    def __init__(self, generator: SpeculativeGenerator, metrics: ServerMetrics | None = None, n_slots: int = 1):
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         self.generator = generator
         self.metrics = metrics
+        self.n_slots = n_slots
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
         self._current: Ticket | None = None
+        self._running: set[Ticket] = set()  # -np > 1: tickets holding a slot
         #: set by begin_shutdown: no new jobs; the running one must end by ``_deadline``
         self._closing = False
         self._deadline: float | None = None
-        self._thread = threading.Thread(target=self._run, name="flashdraft-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run if n_slots == 1 else self._run_slots,
+                                        name="flashdraft-worker", daemon=True)
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -171,7 +184,12 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether a job is running now."""
-        return self._current is not None
+        return self._current is not None or bool(self._running)
+
+    @property
+    def slots_busy(self) -> int:
+        """Slots decoding a request now."""
+        return len(self._running) if self.n_slots > 1 else int(self._current is not None)
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop taking jobs: queued ones get :class:`ServerShuttingDown` now, the running one
@@ -206,6 +224,8 @@ class Scheduler:
         self._closing = True
         if self._current is not None:
             self._current.cancel()
+        for ticket in list(self._running):
+            ticket.cancel()
         self._reject_queued(_CANCELLED)
         self._queue.put(None)
         if self._thread.is_alive():
@@ -255,3 +275,80 @@ class Scheduler:
         except Exception as e:  # one bad request must never kill the worker
             log.exception("generation failed")
             ticket.channel.put(JobFailed(e, after_output=delivered))
+
+    # -- worker thread, -np > 1 ------------------------------------------------------
+    def _run_slots(self) -> None:
+        """Admit queued jobs into free slots, step every busy slot together, repeat."""
+        slots = batch.make_slots(self.generator, self.n_slots)
+        while True:
+            if not self._admit(slots):
+                for slot in slots:
+                    if not slot.free:
+                        self._end(slot, _CANCELLED)
+                return
+            for slot in slots:  # a client that left (or the shutdown deadline) frees its slot now
+                if not slot.free and (slot.owner.cancelled or self._past_deadline()):
+                    self._end(slot, _CANCELLED if slot.owner.cancelled else ServerShuttingDown())
+            busy = [slot for slot in slots if not slot.free]
+            if not busy:
+                continue
+            for slot, result in zip(busy, batch.step_together(self.generator.target, [s.seq for s in busy])):
+                ticket = slot.owner
+                if isinstance(result, Exception):  # one bad request must never kill the worker
+                    log.error("generation failed", exc_info=result)
+                    self._end(slot, JobFailed(result, after_output=slot.delivered))
+                    continue
+                if result.finish_reason is not None and self.metrics and result.timings is not None:
+                    self.metrics.observe_generation(result.timings)
+                if not ticket.channel.put(result):
+                    ticket.cancel()
+                slot.delivered = True
+                if slot.seq.done:
+                    self._end(slot, None)
+
+    def _admit(self, slots: list[batch.Slot]) -> bool:
+        """Start queued jobs in free slots; waits for one only when every slot is free.
+
+        Returns:
+            False when the stop marker came (the worker must end).
+        """
+        free = [slot for slot in slots if slot.free]
+        while free:
+            try:
+                ticket = self._queue.get(block=len(free) == len(slots))
+            except queue.Empty:
+                return True
+            if ticket is None:
+                return False
+            if self.metrics:
+                self.metrics.deferred.dec()
+            if ticket.cancelled:  # its client left while it waited: never run it
+                ticket.channel.put(_CANCELLED)
+                continue
+            if self._closing:  # raced with begin_shutdown: refuse rather than start
+                ticket.channel.put(ServerShuttingDown())
+                continue
+            job = ticket.job
+            try:
+                batch.start(self.generator, free[0], job.prompt_ids, job.max_tokens, job.params,
+                            stop=job.stop, ignore_eos=job.ignore_eos)
+            except Exception as e:  # e.g. a prompt longer than the context: that request fails
+                log.error("generation failed", exc_info=e)
+                ticket.channel.put(JobFailed(e, after_output=False))
+                continue
+            slot = free.pop(0)
+            slot.owner = ticket
+            self._running.add(ticket)
+            if self.metrics:
+                self.metrics.processing.inc()
+        return True
+
+    def _end(self, slot: batch.Slot, end: object | None) -> None:
+        """Free ``slot``; ``end`` (if not None) is the last event its ticket gets."""
+        ticket = slot.owner
+        if end is not None:
+            ticket.channel.put(end)
+        slot.seq, slot.owner = None, None
+        self._running.discard(ticket)
+        if self.metrics:
+            self.metrics.processing.dec()

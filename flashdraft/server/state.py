@@ -40,7 +40,7 @@ class ServerSettings:
         metrics: expose ``/metrics``.
         api_key: required Bearer token, or None.
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
-        n_parallel: ``-np`` as given; requests queue on one slot for now.
+        n_parallel: ``-np``: requests decoded together (one packed target forward per step).
         max_body_bytes: larger request bodies get 413.
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         shutdown_grace_s: after SIGTERM, how long the running request may go on before it
@@ -108,7 +108,7 @@ class ServerState:
         self.generator = generator
         self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs())
         self.model_id = self.settings.alias or generator.target.name
-        self.scheduler = Scheduler(generator, self.metrics)
+        self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel)
         self.scheduler.start()
         if self.status == "stopping":  # SIGTERM came while loading: stay stopping
             self.scheduler.begin_shutdown(0.0)

@@ -1,0 +1,104 @@
+"""Parallel slots (``-np N``): several requests decode together, one target forward per step.
+
+    each step:  every busy slot ─► Sequence.prepare()  (prefill input, or draft + [anchor, drafts])
+                all inputs ─► Target.forward_packed (one pass: the weights are read once)
+                every slot ─► Sequence.finish(logits, features) ─► its Step
+
+On a memory-bound CPU a decode or verify step costs mostly the reading of the weights, so
+packing the rows of N sequences into one forward makes N steps cost little more than one.
+Each slot owns everything per-request: its :class:`~flashdraft.generate.Sequence` (cache,
+sampling generator, stops, timings), a drafter fork (:meth:`Drafter.fork`: shared weights,
+own context state) and its own copy of the depth controller (a slot's estimates persist
+across the requests it serves). Drafting runs per slot; only the target forward is shared.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.adaptive import ProfitController
+from flashdraft.drafters.base import Drafter
+from flashdraft.generate import Sequence, SpeculativeGenerator, Step
+
+
+@dataclass
+class Slot:
+    """One parallel slot.
+
+    Attributes:
+        index: 0-based slot id.
+        drafter: this slot's drafter (per-request state of its own).
+        controller: this slot's depth controller, or None (fixed depth).
+        seq: the request being decoded, or None when the slot is free.
+        owner: whatever the caller attaches to the request (the scheduler's ticket).
+        delivered: whether any step of the current request has been handed out.
+    """
+
+    index: int
+    drafter: Drafter
+    controller: ProfitController | None
+    seq: Sequence | None = None
+    owner: object = None
+    delivered: bool = False
+
+    @property
+    def free(self) -> bool:
+        return self.seq is None
+
+
+def make_slots(generator: SpeculativeGenerator, n: int) -> list[Slot]:
+    """``n`` free slots for ``generator``: each with a drafter fork and a controller copy.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one slot, got {n}")
+    return [Slot(i, generator.drafter.fork(), copy.deepcopy(generator.controller)) for i in range(n)]
+
+
+def start(generator: SpeculativeGenerator, slot: Slot, prompt_ids: list[int], max_tokens: int, params, **kw) -> None:
+    """Begin a request in ``slot`` (its first step is the prefill); ``kw`` as
+    :class:`~flashdraft.generate.Sequence` (``stop``, ``n_draft``, ``ignore_eos``).
+
+    Raises:
+        ContextOverflowError / ValueError: as :class:`~flashdraft.generate.Sequence`; the slot stays free.
+    """
+    slot.seq = Sequence(generator, prompt_ids, max_tokens, params, drafter=slot.drafter,
+                        controller=slot.controller, **kw)
+    slot.delivered = False
+
+
+@torch.inference_mode()
+def step_together(target, seqs: list[Sequence]) -> list[Step | Exception]:
+    """One step of every sequence in ``seqs`` (none of them done) with one packed target forward.
+
+    Returns:
+        per sequence, in order, its :class:`Step` or the exception its step raised. A
+        failure in one sequence's own work (drafting, acceptance) touches only that one; a
+        failure of the shared forward is reported to every sequence in it.
+    """
+    results: list[Step | Exception | None] = [None] * len(seqs)
+    inputs, members = [], []
+    for i, seq in enumerate(seqs):
+        try:
+            inputs.append(seq.prepare())
+            members.append(i)
+        except Exception as e:  # noqa: BLE001 - reported to that request only
+            results[i] = e
+    if inputs:
+        try:
+            outputs = target.forward_packed(inputs)
+        except Exception as e:  # noqa: BLE001
+            outputs = None
+            for i in members:
+                results[i] = e
+        for i, out in zip(members, outputs or ()):
+            try:
+                results[i] = seqs[i].finish(*out)
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+    return results
