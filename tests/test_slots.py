@@ -233,3 +233,24 @@ def test_real_model_concurrent_greedy_equals_alone():
         return await asyncio.gather(*(_collect(s.submit(GenerationJob(p, 24, GREEDY, []))) for p in prompts))
 
     assert [r[0] for r in _serve(gen, 4, go)] == alone
+
+
+def test_http_server_with_parallel_slots():
+    """``-np 4`` over real HTTP: /props reports the slots; concurrent requests answer as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from inproc import PROMPT, new_generator, serve
+
+    gen = new_generator()
+    prompts = [PROMPT, "t7 t30 t2 t11 t7 t30", "t40 t41 t42", "t12 t13 t12 t13 t12"]
+    alone = [generate_text(gen, gen.target.encode(p), 12, GREEDY, ignore_eos=True)[1] for p in prompts]
+    with serve(gen, n_parallel=4) as url:
+        assert httpx.get(url + "/props", timeout=30).json()["total_slots"] == 4
+
+        def ask(prompt):
+            body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "ignore_eos": True}
+            return httpx.post(url + "/completion", json=body, timeout=60).json()["tokens"]
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, prompts)) == alone
