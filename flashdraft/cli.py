@@ -41,13 +41,41 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch")
+    add_cache_arguments(p)
+
+
+def add_cache_arguments(p) -> None:
+    """KV cache flags (llama.cpp names; ``p`` a parser or argument group)."""
+    from flashdraft.kv_codecs import CACHE_TYPES
+
+    kinds = ", ".join(CACHE_TYPES)
+    p.add_argument("-ctk", "--cache-type-k", default="f32", choices=CACHE_TYPES, metavar="TYPE",
+                   help=f"target K cache type: {kinds} (default: f32; docs/kv-cache.md)")
+    p.add_argument("-ctv", "--cache-type-v", default="f32", choices=CACHE_TYPES, metavar="TYPE",
+                   help="target V cache type (default: f32)")
+    p.add_argument("-ctkd", "--cache-type-k-draft", default="f32", choices=CACHE_TYPES, metavar="TYPE",
+                   help="DFlash drafter context K cache type (default: f32)")
+    p.add_argument("-ctvd", "--cache-type-v-draft", default="f32", choices=CACHE_TYPES, metavar="TYPE",
+                   help="DFlash drafter context V cache type (default: f32)")
+    p.add_argument("--kv-sink-tokens", type=int, default=0, metavar="N",
+                   help="compressed caches keep the first N positions exact (default: 0)")
+    p.add_argument("--kv-tail-tokens", type=int, default=0, metavar="N",
+                   help="compressed caches keep each token's N most recent positions exact (default: 0)")
+
+
+def cache_fields(args) -> dict:
+    """EngineConfig keyword arguments of the :func:`add_cache_arguments` flags."""
+    return dict(cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                cache_type_k_draft=args.cache_type_k_draft, cache_type_v_draft=args.cache_type_v_draft,
+                kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens)
 
 
 def engine_config(args):
     from flashdraft.engine import EngineConfig
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller, weights=args.weights)
+                        controller=args.spec_dm_controller, weights=args.weights,
+                        **(cache_fields(args) if hasattr(args, "cache_type_k") else {}))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

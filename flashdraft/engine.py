@@ -15,6 +15,8 @@ import torch
 from flashdraft.adaptive import make_controller
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
+from flashdraft.kv_cache import KVCacheSpec
+from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.target import Target, load_hf_model
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class EngineConfig:
         ctx_size: positions per sequence (``-c``).
         cross_ctx: DFlash drafter attends to at most this many recent positions.
         ngram_max / ngram_min: n-gram sizes of prompt lookup.
+        cache_type_k / cache_type_v: target KV cache types (``--cache-type-k/-v``).
+        cache_type_k_draft / cache_type_v_draft: the DFlash drafter's context cache types.
+        kv_sink_tokens / kv_tail_tokens: first / most recent positions kept exact in
+            compressed caches (``--kv-sink-tokens``, ``--kv-tail-tokens``).
         weights: target weight dtype, ``fp32`` or ``bf16`` (``--weights``); bf16 halves the bytes
             a decode step reads but is fast only on CPUs with AVX512-BF16/AMX. Greedy
             speculative output equals the greedy baseline under the same weights.
@@ -60,6 +66,28 @@ class EngineConfig:
     #: profit by default: a drafter that loses on this machine or prompt (τ ≈ 1.1 on CPU) would
     #: otherwise make decoding slower than plain; the controller keeps it at >= plain speed
     controller: str = "profit"
+    #: KV cache types (llama.cpp names, ``--cache-type-k/-v``; see flashdraft.kv_codecs) of the
+    #: target and of the DFlash drafter's context cache, and the positions kept exact
+    cache_type_k: str = "f32"
+    cache_type_v: str = "f32"
+    cache_type_k_draft: str = "f32"
+    cache_type_v_draft: str = "f32"
+    kv_sink_tokens: int = 0
+    kv_tail_tokens: int = 0
+
+    def kv_spec(self, draft: bool = False) -> KVCacheSpec:
+        """The target's (or with ``draft`` the drafter's) cache types as a :class:`KVCacheSpec`.
+
+        Raises:
+            ValueError: an unknown cache type or a negative token count.
+        """
+        k, v = (self.cache_type_k_draft, self.cache_type_v_draft) if draft else (self.cache_type_k, self.cache_type_v)
+        for name in (k, v):
+            if name not in CACHE_TYPES:
+                raise ValueError(f"unknown cache type {name!r}; choose from {', '.join(CACHE_TYPES)}")
+        if self.kv_sink_tokens < 0 or self.kv_tail_tokens < 0:
+            raise ValueError("--kv-sink-tokens and --kv-tail-tokens must be >= 0")
+        return KVCacheSpec(k, v, self.kv_sink_tokens, self.kv_tail_tokens)
     weights: str = "fp32"
 
 
@@ -95,7 +123,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         model = random_dflash_model(target.model, num_layers=layers)
     else:
         model = load_dflash_model(path, cfg.dtype)
-    return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx)
+    return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx,
+                         kv=cfg.kv_spec(draft=True))
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -108,6 +137,8 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
         ValueError: unknown spec type, controller or weights, or a drafter that needs a path and has none.
     """
     make_controller(cfg.controller, 1)  # refuse an unknown controller before loading anything
+    kv = cfg.kv_spec()  # and unknown cache types
+    cfg.kv_spec(draft=True)
     if target is None:
         target = Target.load(cfg.model, weights=cfg.weights)
     drafter = load_drafter(cfg, target)
@@ -115,7 +146,9 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
         n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
         controller = make_controller(cfg.controller, n_max)
-    gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller)
+    target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
+    gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,
+                               kv=kv)
     if warmup:
         gen.warmup()
     return gen

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.cache import StaticKVCache
+from flashdraft.kv_cache import KVCacheSpec, QuantizedKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 #: RoPE types with a fixed inverse-frequency vector; "dynamic"/"longrope" rescale per length
@@ -191,8 +192,16 @@ class LeanForward:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, capacity: int) -> StaticKVCache:
-        """An empty :class:`StaticKVCache` for this model (``capacity`` positions up front)."""
+    def new_cache(self, capacity: int, kv: KVCacheSpec | None = None) -> StaticKVCache | QuantizedKVCache:
+        """An empty cache for this model (``capacity`` positions up front): a plain
+        :class:`StaticKVCache`, or a :class:`QuantizedKVCache` when ``kv`` asks for
+        compressed types.
+
+        Raises:
+            ValueError: a cache type this head_dim cannot use.
+        """
+        if kv is not None and not kv.plain:
+            return QuantizedKVCache(kv, self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
         return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     def _rope_table(self, n: int) -> None:
@@ -233,7 +242,7 @@ class LeanForward:
         out = torch.bmm(probs, values)  # [n_kv, group*T, hd]
         return out.view(self.n_heads, T, self.head_dim).transpose(0, 1).reshape(T, -1)
 
-    def forward(self, token_ids: torch.Tensor, cache: StaticKVCache, logits_from: int = 0,
+    def forward(self, token_ids: torch.Tensor, cache: StaticKVCache | QuantizedKVCache, logits_from: int = 0,
                 feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``token_ids`` at positions ``cache.length ..``; the cache grows by T.
 
@@ -254,9 +263,10 @@ class LeanForward:
         sin = self._sin[L:S, None]  # first half negated
         # one mask per forward, shared by every layer: a 1-token step needs none; a block
         # after cached context is causal inside the block (row t sees positions <= L+t)
-        causal = L == 0 and T > 1
+        quantized = isinstance(cache, QuantizedKVCache)
+        causal = L == 0 and T > 1 and not quantized
         bias = None
-        if T > 1 and not causal:
+        if T > 1 and not causal and not quantized:
             allowed = torch.ones(T, S, dtype=torch.bool).tril_(L)  # row t: positions <= L+t
             bias = torch.zeros(T, S, dtype=self.attn_dtype).masked_fill_(allowed.logical_not(), float("-inf"))
             bias = bias.repeat(self.group, 1)  # [group*T, S], rows ordered like the GQA query rows
@@ -276,11 +286,14 @@ class LeanForward:
                 k = _rms_norm(k, attn.k_norm.weight, eps)
             q = _rope(q, cos, sin)
             k = _rope(k, cos, sin)
-            keys, values = cache.k[i], cache.v[i]  # [n_kv, capacity, hd]
-            keys[:, L:S] = k.transpose(0, 1)  # written by position: rollback is a length move
-            values[:, L:S] = v.transpose(0, 1)
             ad = self.attn_dtype  # no-ops for float32 weights
-            a = self._attention(q.to(ad), keys[:, :S].to(ad), values[:, :S].to(ad), bias, causal)  # [T, nh*hd]
+            if quantized:  # compressed K/V: the cache quantises, dequantises and attends
+                a = cache.attend(i, q, k, v, L, self.scale, ad)
+            else:
+                keys, values = cache.k[i], cache.v[i]  # [n_kv, capacity, hd]
+                keys[:, L:S] = k.transpose(0, 1)  # written by position: rollback is a length move
+                values[:, L:S] = v.transpose(0, 1)
+                a = self._attention(q.to(ad), keys[:, :S].to(ad), values[:, :S].to(ad), bias, causal)  # [T, nh*hd]
             a = a.to(x.dtype)
             x = x + o_proj(a)[0]
             h = _rms_norm(x, layer.post_attention_layernorm.weight, eps)

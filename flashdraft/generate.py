@@ -21,6 +21,7 @@ import torch
 
 from flashdraft.adaptive import ProfitController
 from flashdraft.drafters.base import Drafter, NoDrafter
+from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
 from flashdraft.target import Target
@@ -121,15 +122,18 @@ class SpeculativeGenerator:
         controller: picks the depth of each step (``--spec-dm-controller profit``); None =
             always ``n_draft`` (``off``). Its estimates persist across requests; it only
             chooses how many tokens to draft, so outputs stay lossless.
+        kv: the target's KV cache types (``--cache-type-k/-v``, :mod:`flashdraft.kv_cache`);
+            None = plain cache in the model's dtype.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
-                 n_draft: int = 16, controller: ProfitController | None = None):
+                 n_draft: int = 16, controller: ProfitController | None = None, kv: KVCacheSpec | None = None):
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.ctx_size = ctx_size
         self.n_draft = n_draft
         self.controller = controller
+        self.kv = kv
         self.target.set_feature_layers(self.drafter.feature_layer_ids)
 
     @property
@@ -213,7 +217,7 @@ class Sequence:
         self.eos = set() if ignore_eos else target.eos_token_ids
         self.stream = TextStream(target.decode, stop)
         self.t = Timings(prompt_n=len(prompt_ids))
-        self.cache = target.new_cache()
+        self.cache = target.new_cache(kv=generator.kv)
         self.tokens = torch.tensor(prompt_ids, dtype=torch.long)  # committed ids (the last: the anchor)
         self.prefilled = False
         self.finish_reason: str | None = None

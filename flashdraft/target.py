@@ -29,7 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from flashdraft.cache import StaticKVCache
-from flashdraft.fast_forward import LeanForward, unsupported_reason
+from flashdraft.kv_cache import KVCacheSpec, QuantizedKVCache
+from flashdraft.fast_forward import LeanForward, can_pack, unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Target:
         self._hooks: list = []
         self._capturing = False  # hooks record only during this Target's own HF forward
         self.lean: LeanForward | None = None
+        self._lean_stable: LeanForward | None = None  # for compressed caches, built on first use
         if fast and os.environ.get("FLASHDRAFT_FAST", "1") not in ("0", "false", "no"):
             reason = unsupported_reason(model)
             if reason is None:
@@ -254,7 +256,8 @@ class Target:
         return len(self._feature_layer_ids) * self.hidden_size
 
     # -- forward -----------------------------------------------------------------------
-    def new_cache(self, capacity: int | None = None, fast: bool | None = None) -> TargetCache | StaticKVCache:
+    def new_cache(self, capacity: int | None = None, fast: bool | None = None,
+                  kv: KVCacheSpec | None = None) -> TargetCache | StaticKVCache | QuantizedKVCache:
         """An empty cache for one sequence.
 
         Args:
@@ -263,17 +266,37 @@ class Target:
                 by doubling when exceeded). Ignored on the transformers path.
             fast: None = the target's default path; False = a transformers-path cache;
                 True = a lean-path cache (ValueError when the lean path is unavailable).
+            kv: compressed K/V types (:mod:`flashdraft.kv_cache`); lean path only.
         Returns:
             :class:`StaticKVCache` (lean path) or :class:`TargetCache` (transformers path);
             both have ``length`` and ``rollback(length)``.
         """
         if fast is None:
             fast = self.lean is not None
+        compressed = kv is not None and not kv.plain
+        if compressed and (not fast or self.lean is None):
+            raise ValueError(f"target {self.name}: compressed KV cache types ({kv.label()}) need the lean "
+                             "forward (llama/qwen families, FLASHDRAFT_FAST not 0)")
         if not fast:
             return TargetCache(DynamicCache(config=self.config))
         if self.lean is None:
             raise ValueError(f"target {self.name}: the lean forward is not available")
-        return self.lean.new_cache(capacity or DEFAULT_CACHE_CAPACITY)
+        return self.lean.new_cache(capacity or DEFAULT_CACHE_CAPACITY, kv)
+
+    def stable_lean(self) -> LeanForward:
+        """The lean forward that compressed caches run on: prepacked projections and float64
+        attention, so a verify block computes every row's K/V and logits bit-identical to
+        one-token steps. Quantisation would otherwise turn the ~1e-6 float32 differences
+        between a block and a step into whole quantisation steps (a value on a rounding
+        boundary), and greedy speculative output could leave the greedy baseline (seen on
+        the real model with q5_0/q4_1). Costs a packed copy of the weights for fp32 models."""
+        if self._lean_stable is None:
+            lean = self.lean
+            if lean.pack and lean.attn_dtype == torch.float64:
+                self._lean_stable = lean
+            else:
+                self._lean_stable = LeanForward(self.model, pack=can_pack(lean.dtype), attn_dtype=torch.float64)
+        return self._lean_stable
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: TargetCache | StaticKVCache,
@@ -291,6 +314,8 @@ class Target:
         Returns:
             ``(logits [T - logits_from, V] float32, features [T, len(layer_ids)*H] or None)``.
         """
+        if isinstance(cache, QuantizedKVCache):
+            return self.stable_lean().forward(token_ids, cache, logits_from, self._feature_layer_ids)
         if isinstance(cache, StaticKVCache):
             return self.lean.forward(token_ids, cache, logits_from, self._feature_layer_ids)
         start = cache.length

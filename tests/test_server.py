@@ -431,8 +431,9 @@ def test_seed_guide_command_lines_parse():
     s = settings_from_args(base)
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.metrics, s.reasoning) == (0.7, 64, 0.95, 0.0, True, "off")
     assert s.template_kwargs() == {"enable_thinking": False}
-    assert ignored_flags(base) == ["-ngl all", "-b 2048", "-ub 512", "--cache-type-k q5_0", "--cache-type-v q4_1",
-                                   "--flash-attn on"]
+    assert ignored_flags(base) == ["-ngl all", "-b 2048", "-ub 512", "--flash-attn on"]
+    kv = engine_config_from_args(base).kv_spec()
+    assert (kv.type_k, kv.type_v) == ("q5_0", "q4_1")  # the guide's compressed cache is real
 
     dflash = build_parser().parse_args(GUIDE_DFLASH.split())
     cfg = engine_config_from_args(dflash)

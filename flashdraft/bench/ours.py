@@ -68,7 +68,10 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     adaptive = name == "dflash-adaptive"
     cfg = EngineConfig(model=base.model, spec_type="dflash" if adaptive else name, n_draft=base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
-                       ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off")
+                       ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off",
+                       cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
+                       cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
+                       kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)
     if cfg.spec_type == "dflash":
         cfg.draft_model = dflash_drafter_path(base.model, base.draft_model)
         if cfg.draft_model is None:

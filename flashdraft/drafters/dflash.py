@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.drafters.base import Draft, Drafter
+from flashdraft.kv_cache import KVCacheSpec, KVStore
+from flashdraft.kv_codecs import make_codec
 from flashdraft.sampling import SamplingParams, filtered_probs, sample
 
 
@@ -237,14 +239,25 @@ def init_from_target(drafter: DFlashDraftModel, target_model, layer_ids: list[in
 class ContextKVCache:
     """Per-layer context K/V of the drafter, preallocated; rollback moves ``length``.
 
-    Shapes: each layer holds k, v ``[n_kv, capacity, hd]``; ``length`` positions are valid.
+    Plain (``kv`` None or f32): each layer holds k, v ``[n_kv, capacity, hd]``. Compressed
+    (``--cache-type-k-draft`` / ``-v-draft``): two :class:`~flashdraft.kv_cache.KVStore`; a
+    window is decoded (rotation undone) on read, its first ``sink_tokens`` and last
+    ``tail_tokens`` positions exact. The drafter's numbers never change what is returned
+    (the target verifies), so its tail is simply the last positions of the window.
     """
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int = 1024,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv: KVCacheSpec | None = None):
+        self.length = 0
+        self.dtype = dtype
+        self.stores = None
+        if kv is not None and not kv.plain:
+            args = (n_layers, n_kv, capacity, dtype, kv.sink_tokens, kv.tail_tokens)
+            self.stores = (KVStore(make_codec(kv.type_k, head_dim, dtype), *args),
+                           KVStore(make_codec(kv.type_v, head_dim, dtype), *args))
+            return
         self.k = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.length = 0
 
     def _grow(self, need: int) -> None:
         cap = self.k[0].shape[1]
@@ -260,6 +273,12 @@ class ContextKVCache:
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write per-layer ``(k, v)`` of shape ``[1, n_kv, m, hd]`` at ``length``."""
         m = kv[0][0].shape[2]
+        if self.stores is not None:
+            for i, (k, v) in enumerate(kv):
+                self.stores[0].write(i, self.length, k[0])
+                self.stores[1].write(i, self.length, v[0])
+            self.length += m
+            return
         self._grow(self.length + m)
         for i, (k, v) in enumerate(kv):
             self.k[i][:, self.length:self.length + m] = k[0]
@@ -269,7 +288,23 @@ class ContextKVCache:
     def window(self, i: int, max_ctx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's valid K/V (the last ``max_ctx`` positions if set) as ``[1, n_kv, T, hd]``."""
         start = 0 if max_ctx is None else max(0, self.length - max_ctx)
+        if self.stores is not None:
+            return tuple(self._decoded(s, i, start)[None] for s in self.stores)
         return self.k[i][None, :, start:self.length], self.v[i][None, :, start:self.length]
+
+    def _decoded(self, store: KVStore, i: int, start: int) -> torch.Tensor:
+        """Positions ``start .. length-1`` of one store, decoded to the model's domain."""
+        x = store.read(i, self.length, torch.float32)
+        if store.tail:
+            lo = max(self.length - store.tail, 0)
+            x[:, lo:] = store.recent(i, lo, self.length)
+        return store.from_domain(x[:, start:]).to(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        if self.stores is not None:
+            return sum(s.bytes_per_token for s in self.stores)
+        return 2 * len(self.k) * self.k[0].shape[0] * self.k[0].shape[2] * self.k[0].element_size()
 
 
 class DFlashDrafter(Drafter):
@@ -281,6 +316,7 @@ class DFlashDrafter(Drafter):
         lm_head: the target's LM head (shared, frozen).
         cross_ctx: attend to at most this many most recent context positions
             (``--spec-dflash-cross-ctx``; None = all).
+        kv: the context cache's K/V types (``--cache-type-k-draft`` / ``-v-draft``); None = plain.
     Raises:
         ValueError: drafter and target hidden sizes differ.
     """
@@ -288,7 +324,7 @@ class DFlashDrafter(Drafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
-                 cross_ctx: int | None = None):
+                 cross_ctx: int | None = None, kv: KVCacheSpec | None = None):
         if embed_tokens.weight.shape[1] != model.config["hidden_size"]:
             raise ValueError(f"drafter hidden size {model.config['hidden_size']} != target's "
                              f"{embed_tokens.weight.shape[1]}: this drafter was made for another model")
@@ -301,12 +337,13 @@ class DFlashDrafter(Drafter):
         self.feature_layer_ids = model.target_layer_ids
         self.max_draft = model.block_size - 1
         self.cross_ctx = cross_ctx
+        self.kv = kv
         attn = model.layers[0].self_attn
         self._cache_shape = (len(model.layers), attn.n_kv, attn.head_dim)
         self.reset()
 
     def reset(self) -> None:
-        self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype)
+        self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype, kv=self.kv)
 
     @torch.inference_mode()
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:

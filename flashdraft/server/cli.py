@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from flashdraft.cli import add_cache_arguments
+
 log = logging.getLogger("flashdraft.server")
 
 #: llama-server flags accepted and ignored: (names, takes a value; ``"?"`` = optional value).
@@ -24,10 +26,6 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool | str]] = [
     (("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), True),
     (("-b", "--batch-size"), True),
     (("-ub", "--ubatch-size"), True),
-    (("--cache-type-k", "-ctk"), True),
-    (("--cache-type-v", "-ctv"), True),
-    (("--cache-type-k-draft", "-ctkd"), True),
-    (("--cache-type-v-draft", "-ctvd"), True),
     (("--flash-attn", "-fa"), "?"),  # newer llama.cpp: on|off|auto; older: a bare switch
     (("--kv-unified", "-kvu"), False),
     (("--cache-ram", "-cram"), True),
@@ -85,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
     m.add_argument("-t", "--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+    add_cache_arguments(parser.add_argument_group("KV cache"))
 
     s = parser.add_argument_group("sampling defaults (request fields override them)")
     s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
@@ -151,11 +151,12 @@ def settings_from_args(args: argparse.Namespace):
 
 def engine_config_from_args(args: argparse.Namespace):
     """:class:`EngineConfig` from parsed flags."""
+    from flashdraft.cli import cache_fields
     from flashdraft.engine import EngineConfig
 
     return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller, weights=args.weights)
+                        controller=args.spec_dm_controller, weights=args.weights, **cache_fields(args))
 
 
 def run(args: argparse.Namespace) -> int:

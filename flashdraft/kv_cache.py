@@ -1,0 +1,252 @@
+"""Compressed KV caches: quantise on write, dequantise on read, rollback = a length move.
+
+:class:`KVStore` holds one of K or V for every layer in a :mod:`flashdraft.kv_codecs`
+format, preallocated like :class:`~flashdraft.cache.StaticKVCache`; each position is
+encoded on its own, so what a position stores never depends on which forward wrote it,
+and rejecting draft tokens only moves ``length``.
+
+Exact positions: the first ``sink_tokens`` positions (attention sinks) and, for every query
+at position p, the keys/values of positions ``p - tail_tokens + 1 .. p`` are read exactly as
+computed (``--kv-tail-tokens``). The tail is defined per query row, not per forward, so a
+verify block reads exactly what the one-token steps of the baseline read and greedy
+speculative output stays token-identical to the greedy baseline under the same cache type.
+Exact copies of the recent positions live in a small ring of ``tail_tokens + ROLLBACK_MARGIN``
+positions; the current forward's own K/V are passed in fresh.
+
+:class:`QuantizedKVCache` is the target's cache (K and V stores, maybe of different types,
+like llama.cpp's ``--cache-type-k q5_0 --cache-type-v q4_1``); its :meth:`attend` is the
+attention of :class:`~flashdraft.fast_forward.LeanForward` over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.kv_codecs import Codec, make_codec
+
+#: positions a sequence may roll back past its furthest write and still have its exact tail
+ROLLBACK_MARGIN = 256
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How a cache stores K and V.
+
+    Attributes:
+        type_k / type_v: cache types (:data:`flashdraft.kv_codecs.CACHE_TYPES`).
+        sink_tokens: first positions kept exact.
+        tail_tokens: most recent positions (per query) kept exact.
+    """
+
+    type_k: str = "f32"
+    type_v: str = "f32"
+    sink_tokens: int = 0
+    tail_tokens: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """True when no quantisation is asked for (f32 K and V): the plain static cache."""
+        return self.type_k == "f32" and self.type_v == "f32"
+
+    def label(self) -> str:
+        t = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
+        extra = [f"sink {self.sink_tokens}"] * bool(self.sink_tokens) + [f"tail {self.tail_tokens}"] * bool(self.tail_tokens)
+        return t + (f" ({', '.join(extra)})" if extra else "")
+
+
+class KVStore:
+    """K or V of one sequence for every layer, in ``codec``'s format.
+
+    Args:
+        codec: the storage format.
+        n_layers, n_kv_heads: layers and K/V heads.
+        capacity: positions allocated up front (grown by doubling).
+        dtype: the model's dtype.
+        sink_tokens / tail_tokens: see the module docstring (ignored for exact codecs).
+    """
+
+    def __init__(self, codec: Codec, n_layers: int, n_kv_heads: int, capacity: int,
+                 dtype: torch.dtype, sink_tokens: int = 0, tail_tokens: int = 0):
+        self.codec, self.n_layers, self.n_kv, self.dtype = codec, n_layers, n_kv_heads, dtype
+        self.head_dim = codec.head_dim
+        lossy = not codec.exact
+        self.sink = sink_tokens if lossy else 0
+        self.tail = tail_tokens if lossy else 0
+        self.ring_size = self.tail + ROLLBACK_MARGIN if self.tail else 0
+        shape = (n_layers, n_kv_heads)
+        # exact copies in float32: rotated values are not representable in a bf16 model's dtype
+        self.sink_buf = torch.zeros(*shape, self.sink, self.head_dim)
+        self.ring = torch.zeros(*shape, self.ring_size, self.head_dim)
+        self.written = 0  # one past the furthest position ever written (ring validity)
+        self.capacity = 0
+        self.parts: list[torch.Tensor] = []
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        old, n = self.parts, min(self.capacity, self.written)
+        self.parts = [torch.zeros(self.n_layers, self.n_kv, capacity, *shape, dtype=dt)
+                      for shape, dt in self.codec.parts]
+        for new, prev in zip(self.parts, old):
+            new[:, :, :n] = prev[:, :, :n]
+        self.capacity = capacity
+
+    def reserve(self, end: int) -> None:
+        """Make room for positions ``< end``."""
+        if end > self.capacity:
+            self._allocate(max(end, 2 * self.capacity))
+
+    @property
+    def rotated(self) -> bool:
+        return self.codec.rotated
+
+    def to_domain(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., hd]`` in the domain the store decodes to (rotated for turbo types)."""
+        return self.codec.rotation(x) if self.codec.rotated else x
+
+    def from_domain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.codec.rotation.inverse(x) if self.codec.rotated else x
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes over all layers and heads (exact sinks/tail not counted)."""
+        return self.n_layers * self.n_kv * self.codec.bytes_per_vector
+
+    def write(self, layer: int, start: int, x: torch.Tensor) -> torch.Tensor:
+        """Store ``x [n_kv, T, hd]`` at positions ``start ..``; returns ``x`` in the store's
+        domain as an exact read would give it (float32 when rotated, else ``x`` itself)."""
+        T = x.shape[1]
+        self.reserve(start + T)
+        for part, enc in zip(self.parts, self.codec.encode(x)):
+            part[layer, :, start:start + T] = enc
+        dom = self.to_domain(x.float()) if self.codec.rotated else x
+        if self.sink and start < self.sink:
+            n = min(self.sink, start + T) - start
+            self.sink_buf[layer, :, start:start + n] = dom[:, :n]
+        if self.ring_size:
+            keep = min(T, self.ring_size)
+            pos = torch.arange(start + T - keep, start + T) % self.ring_size
+            self.ring[layer][:, pos] = dom[:, T - keep:].float()
+        if layer == self.n_layers - 1:
+            self.written = max(self.written, start + T)
+        return dom
+
+    def read(self, layer: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Positions ``0 .. end-1`` decoded, ``[n_kv, end, hd]`` in ``dtype`` (store domain);
+        sink positions exact."""
+        out = self.codec.decode(tuple(p[layer, :, :end] for p in self.parts)).to(dtype)
+        if self.sink:
+            n = min(self.sink, end)
+            out[:, :n] = self.sink_buf[layer, :, :n].to(dtype)
+        return out
+
+    def recent(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Exact values of positions ``start .. end-1`` from the ring ``[n_kv, end-start, hd]``.
+
+        Raises:
+            RuntimeError: a position is no longer in the ring (rolled back too far).
+        """
+        if end <= start:
+            return self.ring.new_zeros(self.n_kv, 0, self.head_dim)
+        if start < self.written - self.ring_size:
+            raise RuntimeError(f"exact tail lost: position {start} is older than the ring "
+                               f"(rolled back more than {ROLLBACK_MARGIN} positions)")
+        return self.ring[layer][:, torch.arange(start, end) % self.ring_size]
+
+
+class QuantizedKVCache:
+    """The target's cache with compressed K and V (same ``length`` / ``reserve`` / ``rollback``
+    interface as :class:`~flashdraft.cache.StaticKVCache`).
+
+    Args:
+        spec: cache types and exact positions.
+        n_layers, n_kv_heads, head_dim: the model's attention shape.
+        capacity: positions allocated up front.
+        dtype: the model's dtype.
+    Raises:
+        ValueError: a type the head_dim cannot use.
+    """
+
+    def __init__(self, spec: KVCacheSpec, n_layers: int, n_kv_heads: int, head_dim: int,
+                 capacity: int, dtype: torch.dtype = torch.float32):
+        self.spec = spec
+        args = (n_layers, n_kv_heads, capacity, dtype, spec.sink_tokens, spec.tail_tokens)
+        self.k = KVStore(make_codec(spec.type_k, head_dim, dtype), *args)
+        self.v = KVStore(make_codec(spec.type_v, head_dim, dtype), *args)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.capacity
+
+    def reserve(self, n_new: int) -> None:
+        self.k.reserve(self.length + n_new)
+        self.v.reserve(self.length + n_new)
+
+    def rollback(self, length: int) -> None:
+        """Drop positions >= ``length`` (a length move).
+
+        Raises:
+            ValueError: ``length`` negative or beyond what the cache holds.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds only {self.length}")
+        self.length = length
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.k.bytes_per_token + self.v.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for s in (self.k, self.v) for p in s.parts)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               scale: float, attn_dtype: torch.dtype) -> torch.Tensor:
+        """Write ``k, v [T, n_kv, hd]`` at ``start`` and attend ``q [T, n_heads, hd]`` over
+        positions ``0 .. start+T-1`` (causal); returns ``[T, n_heads*hd]`` in ``attn_dtype``.
+
+        Scores and weighted sums run in the stores' domain (queries rotated for a rotated K,
+        the output rotated back for a rotated V; the rotation is orthonormal). Exact tail:
+        for row t (position p = start+t) the columns ``p-tail+1 .. p`` use exact K/V.
+        """
+        T, n_heads, hd = q.shape
+        n_kv = k.shape[1]
+        group = n_heads // n_kv
+        S = start + T
+        pos = torch.arange(start, S)  # position of each row t
+        cols = torch.arange(S)
+        tail = max(self.k.tail, self.v.tail)
+        # columns some row reads exactly: from the oldest row's tail start to S. Older exact
+        # values come from the ring, read before this forward's writes can overwrite it.
+        lo = max(start + 1 - tail, 0)
+        k_old = self.k.recent(layer, lo, start) if self.k.tail else None
+        v_old = self.v.recent(layer, lo, start) if self.v.tail else None
+        kx = self.k.write(layer, start, k.transpose(0, 1))  # [n_kv, T, hd], store domain
+        vx = self.v.write(layer, start, v.transpose(0, 1))
+        keys = self.k.read(layer, S, attn_dtype)  # [n_kv, S, hd]
+        values = self.v.read(layer, S, attn_dtype)
+        q = self.k.to_domain(q.to(attn_dtype)) if self.k.rotated else q.to(attn_dtype)
+        # GQA rows: the `group` query heads of one K/V head become rows (g, t) of that head
+        qg = (q * scale).transpose(0, 1).reshape(n_kv, group * T, hd)
+        scores = torch.bmm(qg, keys.transpose(1, 2))  # [n_kv, group*T, S]
+        mix = None
+        if tail:
+            # row t reads column j exactly when p - tail < j <= p
+            mix = ((cols[None, lo:] > pos[:, None] - tail) & (cols[None, lo:] <= pos[:, None])).repeat(group, 1)
+            if k_old is not None:
+                k_ex = torch.cat((k_old, kx.float()), dim=1).to(attn_dtype)  # [n_kv, S-lo, hd]
+                exact_scores = torch.bmm(qg, k_ex.transpose(1, 2))  # [n_kv, group*T, S-lo]
+                scores[..., lo:] = torch.where(mix, exact_scores, scores[..., lo:])
+        if T > 1:
+            future = (cols[None, :] > pos[:, None]).repeat(group, 1)  # [group*T, S]
+            scores.masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, values)  # [n_kv, group*T, hd]
+        if v_old is not None:
+            v_ex = torch.cat((v_old, vx.float()), dim=1).to(attn_dtype)
+            out = out + torch.bmm(probs[..., lo:] * mix, v_ex - values[:, lo:])
+        if self.v.rotated:
+            out = self.v.from_domain(out)
+        return out.view(n_heads, T, hd).transpose(0, 1).reshape(T, -1)
