@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": ("flashdraft.cli", "generate text once from a prompt"),
     "train": ("flashdraft.train.cli", "train a DFlash drafter for a target model"),
     "eval": ("flashdraft.train.evaluate", "measure a drafter's acceptance length on a prompt set"),
+    "eval-kv": ("flashdraft.kv_eval", "measure KV cache types: memory, perplexity/KL, greedy agreement, τ, speed"),
     "convert": ("flashdraft.train.export", "convert a DFlash drafter between SpecForge and GGUF"),
     "bench": ("flashdraft.bench.runner", "benchmark baseline vs drafters vs peer engines"),
 }

@@ -15,7 +15,7 @@ import torch
 from flashdraft.adaptive import make_controller
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
-from flashdraft.kv_cache import KVCacheSpec
+from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.target import Target, load_hf_model
 
@@ -139,6 +139,9 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     make_controller(cfg.controller, 1)  # refuse an unknown controller before loading anything
     kv = cfg.kv_spec()  # and unknown cache types
     cfg.kv_spec(draft=True)
+    if cfg.kv_tail_tokens and cfg.n_draft >= ROLLBACK_MARGIN:
+        raise ValueError(f"--kv-tail-tokens keeps exact copies for rollbacks of < {ROLLBACK_MARGIN} positions: "
+                         f"use --spec-draft-n-max < {ROLLBACK_MARGIN}")
     if target is None:
         target = Target.load(cfg.model, weights=cfg.weights)
     drafter = load_drafter(cfg, target)

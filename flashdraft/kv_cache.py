@@ -27,7 +27,8 @@ import torch
 from flashdraft.kv_codecs import Codec, make_codec
 
 #: positions a sequence may roll back past its furthest write and still have its exact tail
-ROLLBACK_MARGIN = 256
+#: (a rejected draft is at most --spec-draft-n-max positions; load_engine checks)
+ROLLBACK_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class KVStore:
         # exact copies in float32: rotated values are not representable in a bf16 model's dtype
         self.sink_buf = torch.zeros(*shape, self.sink, self.head_dim)
         self.ring = torch.zeros(*shape, self.ring_size, self.head_dim)
+        # per layer and head, the mean of the sequence's first forward (the prompt), removed
+        # before quantising: see `write`
+        self.lossy = lossy
+        self.center = torch.zeros(*shape, self.head_dim)
         self.written = 0  # one past the furthest position ever written (ring validity)
         self.capacity = 0
         self.parts: list[torch.Tensor] = []
@@ -101,12 +106,19 @@ class KVStore:
     def rotated(self) -> bool:
         return self.codec.rotated
 
-    def to_domain(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., hd]`` in the domain the store decodes to (rotated for turbo types)."""
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., hd]`` rotated like the stored vectors (turbo types; else ``x``): queries
+        meet rotated keys in the same orthonormal basis."""
         return self.codec.rotation(x) if self.codec.rotated else x
 
-    def from_domain(self, x: torch.Tensor) -> torch.Tensor:
+    def unrotate(self, x: torch.Tensor) -> torch.Tensor:
         return self.codec.rotation.inverse(x) if self.codec.rotated else x
+
+    def restore(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Store-domain vectors ``x [n_kv, T, hd]`` (or attention-weighted sums of them) back
+        to model values: rotation undone, the center added back."""
+        x = self.unrotate(x)
+        return x + self.center[layer][:, None].to(x.dtype) if self.lossy else x
 
     @property
     def bytes_per_token(self) -> int:
@@ -115,12 +127,23 @@ class KVStore:
 
     def write(self, layer: int, start: int, x: torch.Tensor) -> torch.Tensor:
         """Store ``x [n_kv, T, hd]`` at positions ``start ..``; returns ``x`` in the store's
-        domain as an exact read would give it (float32 when rotated, else ``x`` itself)."""
+        domain (centered and rotated, float32, for lossy types; else ``x``) as an exact read
+        would give it."""
         T = x.shape[1]
         self.reserve(start + T)
+        if self.lossy:
+            # Centering (as SageAttention's "smooth K", Zhang et al. 2024, §3.2): keys share
+            # a large common component per head that costs most of the quantisation range.
+            # Softmax ignores a shift of all scores of a query, so q·(k - c) attends exactly
+            # like q·k; for values, sum_j p_j (v_j - c) + c = sum_j p_j v_j, so c is added
+            # back to the output. c is fixed by the first forward (position 0), so every
+            # later position - whichever forward writes it - is stored the same way.
+            if start == 0:
+                self.center[layer] = x.float().mean(dim=1)
+            x = x.float() - self.center[layer][:, None]
         for part, enc in zip(self.parts, self.codec.encode(x)):
             part[layer, :, start:start + T] = enc
-        dom = self.to_domain(x.float()) if self.codec.rotated else x
+        dom = self.rotate(x.float()) if self.codec.rotated else x
         if self.sink and start < self.sink:
             n = min(self.sink, start + T) - start
             self.sink_buf[layer, :, start:start + n] = dom[:, :n]
@@ -133,8 +156,8 @@ class KVStore:
         return dom
 
     def read(self, layer: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """Positions ``0 .. end-1`` decoded, ``[n_kv, end, hd]`` in ``dtype`` (store domain);
-        sink positions exact."""
+        """Positions ``0 .. end-1`` decoded, ``[n_kv, end, hd]`` in ``dtype`` (store domain:
+        centered and rotated; :meth:`restore` maps back); sink positions exact."""
         out = self.codec.decode(tuple(p[layer, :, :end] for p in self.parts)).to(dtype)
         if self.sink:
             n = min(self.sink, end)
@@ -227,7 +250,7 @@ class QuantizedKVCache:
         vx = self.v.write(layer, start, v.transpose(0, 1))
         keys = self.k.read(layer, S, attn_dtype)  # [n_kv, S, hd]
         values = self.v.read(layer, S, attn_dtype)
-        q = self.k.to_domain(q.to(attn_dtype)) if self.k.rotated else q.to(attn_dtype)
+        q = self.k.rotate(q.to(attn_dtype))  # keys are centered too, which softmax ignores
         # GQA rows: the `group` query heads of one K/V head become rows (g, t) of that head
         qg = (q * scale).transpose(0, 1).reshape(n_kv, group * T, hd)
         scores = torch.bmm(qg, keys.transpose(1, 2))  # [n_kv, group*T, S]
@@ -247,6 +270,5 @@ class QuantizedKVCache:
         if v_old is not None:
             v_ex = torch.cat((v_old, vx.float()), dim=1).to(attn_dtype)
             out = out + torch.bmm(probs[..., lo:] * mix, v_ex - values[:, lo:])
-        if self.v.rotated:
-            out = self.v.from_domain(out)
+        out = self.v.restore(layer, out)  # [n_kv, group*T, hd]: rotation undone, center added
         return out.view(n_heads, T, hd).transpose(0, 1).reshape(T, -1)

@@ -298,7 +298,7 @@ class ContextKVCache:
         if store.tail:
             lo = max(self.length - store.tail, 0)
             x[:, lo:] = store.recent(i, lo, self.length)
-        return store.from_domain(x[:, start:]).to(self.dtype)
+        return store.restore(i, x[:, start:]).to(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
