@@ -158,7 +158,7 @@ class KVStore:
     def read(self, layer: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Positions ``0 .. end-1`` decoded, ``[n_kv, end, hd]`` in ``dtype`` (store domain:
         centered and rotated; :meth:`restore` maps back); sink positions exact."""
-        out = self.codec.decode(tuple(p[layer, :, :end] for p in self.parts)).to(dtype)
+        out = self.codec.decode(tuple(p[layer, :, :end] for p in self.parts), dtype)
         if self.sink:
             n = min(self.sink, end)
             out[:, :n] = self.sink_buf[layer, :, :n].to(dtype)

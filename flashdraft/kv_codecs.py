@@ -137,6 +137,9 @@ def _unpack_bits(p: torch.Tensor) -> torch.Tensor:
     return ((p[..., None] & _BIT) != 0).to(torch.uint8).reshape(*p.shape[:-1], -1)
 
 
+_HIGH_BIT_16 = _unpack_bits(torch.arange(256, dtype=torch.uint8)[:, None]) << 4  # [256, 8]: 0 or 16
+
+
 def _pack_3bit(q: torch.Tensor) -> torch.Tensor:
     """``q [..., n]`` values < 8 -> ``[..., 3n/8]``: two bits per value in n/4 bytes
     (four values a byte: value j, j+n/4, j+n/2, j+3n/4 of byte j) plus one bit plane."""
@@ -187,8 +190,9 @@ class Codec:
         """``x [..., head_dim]`` -> parts ``[..., *shape]``."""
         raise NotImplementedError
 
-    def decode(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """parts ``[..., *shape]`` -> ``[..., head_dim]`` float32 (bf16/f16 for plain casts)."""
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """parts ``[..., *shape]`` -> ``[..., head_dim]`` in ``dtype`` (decoded straight into
+        it: the float64 attention path pays no extra conversion pass)."""
         raise NotImplementedError
 
 
@@ -203,8 +207,8 @@ class CastCodec(Codec):
     def encode(self, x):
         return (x.to(self.dtype),)
 
-    def decode(self, parts):
-        return parts[0]
+    def decode(self, parts, dtype=torch.float32):
+        return parts[0].to(dtype)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -232,9 +236,9 @@ class Q8_0(Codec):
         y = xb * inv  # C roundf (half away from zero), not torch.round's half-to-even
         return (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8), d[..., 0].half()
 
-    def decode(self, parts):
+    def decode(self, parts, dtype=torch.float32):
         q, d = parts
-        return (q.float() * d.float()[..., None]).flatten(-2)
+        return (q.to(dtype) * d.to(dtype)[..., None]).flatten(-2)
 
 
 class _SymmetricQ(Codec):
@@ -251,8 +255,8 @@ class _SymmetricQ(Codec):
         q = (xb * inv + (half + 0.5)).floor().clamp_(0, 2 ** self.bits - 1).to(torch.uint8)
         return q, d[..., 0].half()
 
-    def _values(self, q, d):
-        return ((q.float() - 2 ** (self.bits - 1)) * d.float()[..., None]).flatten(-2)
+    def _values(self, q, d, dtype):
+        return ((q.to(dtype) - 2 ** (self.bits - 1)) * d.to(dtype)[..., None]).flatten(-2)
 
 
 class Q4_0(_SymmetricQ):
@@ -267,8 +271,8 @@ class Q4_0(_SymmetricQ):
         q, d = self._codes(x)
         return _pack_nibbles(q), d
 
-    def decode(self, parts):
-        return self._values(_unpack_nibbles(parts[0]), parts[1])
+    def decode(self, parts, dtype=torch.float32):
+        return self._values(_unpack_nibbles(parts[0]), parts[1], dtype)
 
 
 class Q5_0(_SymmetricQ):
@@ -283,9 +287,11 @@ class Q5_0(_SymmetricQ):
         q, d = self._codes(x)
         return _pack_nibbles(q & 15), _pack_bits(q >> 4), d
 
-    def decode(self, parts):
+    def decode(self, parts, dtype=torch.float32):
         qs, qh, d = parts
-        return self._values(_unpack_nibbles(qs) | (_unpack_bits(qh) << 4), d)
+        # the 32 high bits by table: byte b -> its 8 bits already shifted to 16
+        hi = _HIGH_BIT_16.index_select(0, qh.reshape(-1).to(torch.int32)).view(*qh.shape[:-1], QK)
+        return self._values(_unpack_nibbles(qs) | hi, d, dtype)
 
 
 class Q3_0(_SymmetricQ):
@@ -300,8 +306,8 @@ class Q3_0(_SymmetricQ):
         q, d = self._codes(x)
         return _pack_3bit(q), d
 
-    def decode(self, parts):
-        return self._values(_unpack_3bit(parts[0], QK), parts[1])
+    def decode(self, parts, dtype=torch.float32):
+        return self._values(_unpack_3bit(parts[0], QK), parts[1], dtype)
 
 
 class Q4_1(Codec):
@@ -320,9 +326,9 @@ class Q4_1(Codec):
         q = ((xb - lo) * inv + 0.5).floor().clamp_(0, 15).to(torch.uint8)
         return _pack_nibbles(q), d[..., 0].half(), lo[..., 0].half()
 
-    def decode(self, parts):
+    def decode(self, parts, dtype=torch.float32):
         qs, d, m = parts
-        return (_unpack_nibbles(qs).float() * d.float()[..., None] + m.float()[..., None]).flatten(-2)
+        return (_unpack_nibbles(qs).to(dtype) * d.to(dtype)[..., None] + m.to(dtype)[..., None]).flatten(-2)
 
 
 class Turbo(Codec):
