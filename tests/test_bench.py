@@ -103,6 +103,27 @@ def test_every_local_configuration_runs(files, capsys):
 def test_unknown_configuration_is_an_error(files, capsys):
     assert _bench("-m", files["target"], "--configs", "none,warp-drive") == 1
     assert "warp-drive" in capsys.readouterr().err
+    assert _bench("-m", files["target"], "--configs", "none,dflash@0") == 1
+
+
+def test_fixed_depth_configurations(files):
+    """dflash@N runs the DFlash drafter at a fixed depth N, ordered after dflash, lossless."""
+    from flashdraft.bench.runner import parse_configs
+    assert parse_configs("dflash-adaptive,dflash@4,none,dflash@1,dflash") == [
+        "none", "dflash", "dflash@1", "dflash@4", "dflash-adaptive"]
+    out = files["dir"] / "depths.json"
+    assert _bench("-m", files["target"], "-md", "random:1", "--configs", "none,dflash@1,dflash@3",
+                  "--prompts", files["prompts"], "--max-tokens", "10", "--repeats", "1", "--threads", "1",
+                  "--warmup-tokens", "2", "--json-out", str(out)) == 0
+    doc = json.loads(out.read_text())
+    runs = {r["config"]: r for r in doc["runs"]}
+    assert set(runs) == {"none", "dflash@1", "dflash@3"}
+    assert all(r["same_as_baseline"] for n, r in runs.items() if n != "none")
+    # depth N never drafts more than N tokens per step
+    for name, n in (("dflash@1", 1), ("dflash@3", 3)):
+        spec = runs[name]["spec"]
+        assert spec["draft_n"] > 0 and spec["drafted_per_position"][n - 1] > 0
+        assert not any(spec["drafted_per_position"][n:])
 
 
 def test_hf_dflash_adapter_drafts_like_ours():

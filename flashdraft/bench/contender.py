@@ -26,6 +26,18 @@ DESCRIPTIONS = {
 }
 
 
+def fixed_depth(name: str) -> int | None:
+    """N for a ``dflash@N`` configuration (DFlash at a fixed depth of N drafts), else None."""
+    head, _, n = name.partition("@")
+    return int(n) if head == "dflash" and n.isdigit() and int(n) >= 1 else None
+
+
+def describe(name: str) -> str:
+    """One-line description of configuration ``name``."""
+    n = fixed_depth(name)
+    return DESCRIPTIONS[name] if n is None else f"flashdraft, DFlash drafter, fixed draft length {n}"
+
+
 @dataclass
 class BenchPrompt:
     """One prompt as every configuration receives it.

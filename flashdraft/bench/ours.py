@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Unavailable
+from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
 from flashdraft.generate import SpeculativeGenerator
@@ -18,13 +18,18 @@ from flashdraft.target import Target
 OURS = ("none", "dflash", "dflash-adaptive", "ngram", "draft")
 
 
+def is_ours(name: str) -> bool:
+    """True for our engine's configurations, ``dflash@N`` included."""
+    return name in OURS or fixed_depth(name) is not None
+
+
 class EngineContender(Contender):
     """One :class:`SpeculativeGenerator`; times each :class:`Step` as it arrives."""
 
     kind = "ours"
 
     def __init__(self, name: str, generator: SpeculativeGenerator):
-        self.name, self.description = name, DESCRIPTIONS[name]
+        self.name, self.description = name, describe(name)
         self.generator = generator
 
     def activate(self) -> None:
@@ -66,7 +71,9 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     """
     # every configuration drafts a fixed length except the one that measures the controller
     adaptive = name == "dflash-adaptive"
-    cfg = EngineConfig(model=base.model, spec_type="dflash" if adaptive else name, n_draft=base.n_draft,
+    depth = fixed_depth(name)  # dflash@N: the same drafter at a fixed depth N
+    cfg = EngineConfig(model=base.model, spec_type="dflash" if adaptive or depth else name,
+                       n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
                        ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off",
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="autoregressive draft model (same tokenizer) for the `draft` and `hf-draft` configurations")
     p.add_argument("--configs", default=None,
-                   help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}")
+                   help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
+                        "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
     p.add_argument("--prompts", default="seed",
                    help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout or FILE.jsonl (default: seed)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
@@ -85,12 +86,17 @@ def parse_configs(text: str | None) -> list[str]:
     """``--configs`` -> names in report order. Raises ValueError for unknown names."""
     if text is None:
         return list(ALL_CONFIGS)
+    from flashdraft.bench.contender import fixed_depth
+
     names = _split(text)
-    unknown = [n for n in names if n not in ALL_CONFIGS]
+    unknown = [n for n in names if n not in ALL_CONFIGS and fixed_depth(n) is None]
     if unknown or not names:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(ALL_CONFIGS)}")
-    return [c for c in ALL_CONFIGS if c in names]
+                         f"choose from {', '.join(ALL_CONFIGS)}, or dflash@N (fixed depth N >= 1)")
+    depths = sorted({n for n in names if fixed_depth(n) is not None}, key=fixed_depth)
+    ordered = [c for c in ALL_CONFIGS if c in names]
+    at = ordered.index("dflash") + 1 if "dflash" in ordered else sum(c == "none" for c in ordered)
+    return ordered[:at] + depths + ordered[at:]
 
 
 def parse_temperatures(text: str) -> list[float]:
@@ -144,7 +150,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     """
     import torch
 
-    from flashdraft.bench.ours import OURS, build_ours, dflash_drafter_path
+    from flashdraft.bench.ours import build_ours, dflash_drafter_path, is_ours
     from flashdraft.bench.peers import HF_PEERS, LLAMACPP_PEERS, build_hf, build_llamacpp
     from flashdraft.cli import engine_config
 
@@ -154,7 +160,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     out = []
     for name in names:
         try:
-            if name in OURS:
+            if is_ours(name):
                 built = build_ours(name, base, target, args.draft_model)
             elif name in HF_PEERS:
                 built = build_hf(name, target, base, args.draft_model, dflash_path)
@@ -166,7 +172,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
             if explicit:
                 raise
             log.warning("%s cannot run: %s", name, e)
-            built = Unavailable(name, "ours" if name in OURS else "peer", f"failed to load: {type(e).__name__}: {e}")
+            built = Unavailable(name, "ours" if is_ours(name) else "peer", f"failed to load: {type(e).__name__}: {e}")
         out.append(built)
     return out
 
