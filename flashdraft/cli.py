@@ -31,8 +31,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model: .gguf file, HF directory or hub id (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("-md", "--spec-draft-model", default=None,
                    help="drafter: DFlash SpecForge dir/GGUF (or random[:LAYERS]); draft model path (or 'target')")
-    p.add_argument("--spec-type", default="dflash", choices=["none", "dflash", "draft", "ngram"],
-                   help="drafting method (default: dflash)")
+    p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram"],
+                   help="drafting method (default: dflash when a drafter is at hand - -md, or the shipped one "
+                        "for the default model - else none)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
     p.add_argument("--spec-dm-controller", choices=["profit", "off"], default="profit",
                    help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
@@ -73,7 +74,9 @@ def cache_fields(args) -> dict:
 
 def engine_config(args):
     from flashdraft.engine import EngineConfig
-    return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
+    from flashdraft.engine import resolve_spec_type
+    return EngineConfig(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
+                        draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights,
                         **(cache_fields(args) if hasattr(args, "cache_type_k") else {}))

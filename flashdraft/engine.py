@@ -75,6 +75,21 @@ class EngineConfig:
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
 
+    def validate(self) -> None:
+        """Checks that need no model: spec type, controller, cache types and token counts.
+
+        Raises:
+            ValueError: with the flag to fix.
+        """
+        if self.spec_type not in SPEC_TYPES:
+            raise ValueError(f"unknown --spec-type {self.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
+        make_controller(self.controller, 1)
+        self.kv_spec()
+        self.kv_spec(draft=True)
+        if self.kv_tail_tokens and self.n_draft >= ROLLBACK_MARGIN:
+            raise ValueError(f"--kv-tail-tokens keeps exact copies for rollbacks of < {ROLLBACK_MARGIN} positions: "
+                             f"use --spec-draft-n-max < {ROLLBACK_MARGIN}")
+
     def kv_spec(self, draft: bool = False) -> KVCacheSpec:
         """The target's (or with ``draft`` the drafter's) cache types as a :class:`KVCacheSpec`.
 
@@ -87,8 +102,21 @@ class EngineConfig:
                 raise ValueError(f"unknown cache type {name!r}; choose from {', '.join(CACHE_TYPES)}")
         if self.kv_sink_tokens < 0 or self.kv_tail_tokens < 0:
             raise ValueError("--kv-sink-tokens and --kv-tail-tokens must be >= 0")
+        if max(self.kv_sink_tokens, self.kv_tail_tokens) > self.ctx_size:
+            raise ValueError(f"--kv-sink-tokens / --kv-tail-tokens cannot exceed the context size ({self.ctx_size})")
         return KVCacheSpec(k, v, self.kv_sink_tokens, self.kv_tail_tokens)
     weights: str = "fp32"
+
+
+def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
+    """``--spec-type`` when given; else ``dflash`` when a DFlash drafter is at hand (``-md``, or
+    the shipped one for the packaged default target) and ``none`` otherwise, as llama-server
+    decodes plainly when no draft model is given."""
+    if spec_type is not None:
+        return spec_type
+    if draft_model or (model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists()):
+        return "dflash"
+    return "none"
 
 
 def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
@@ -110,6 +138,10 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
             raise ValueError("--spec-type draft needs --spec-draft-model PATH (a small model with the target's tokenizer)")
         model = target.model if cfg.draft_model == "target" else load_hf_model(cfg.draft_model, cfg.dtype)[0]
         return DraftModelDrafter(model, target.vocab_size)
+    try:
+        draft_kv = cfg.kv_spec(draft=True)
+    except ValueError as e:
+        raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
     from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
     path = cfg.draft_model
     if path is None:
@@ -123,8 +155,12 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         model = random_dflash_model(target.model, num_layers=layers)
     else:
         model = load_dflash_model(path, cfg.dtype)
-    return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx,
-                         kv=cfg.kv_spec(draft=True))
+    try:
+        return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
+    except ValueError as e:
+        if "head_dim" in str(e):
+            raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
+        raise
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -136,12 +172,11 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     Raises:
         ValueError: unknown spec type, controller or weights, or a drafter that needs a path and has none.
     """
-    make_controller(cfg.controller, 1)  # refuse an unknown controller before loading anything
-    kv = cfg.kv_spec()  # and unknown cache types
-    cfg.kv_spec(draft=True)
-    if cfg.kv_tail_tokens and cfg.n_draft >= ROLLBACK_MARGIN:
-        raise ValueError(f"--kv-tail-tokens keeps exact copies for rollbacks of < {ROLLBACK_MARGIN} positions: "
-                         f"use --spec-draft-n-max < {ROLLBACK_MARGIN}")
+    cfg.validate()  # refuse bad settings before loading anything
+    kv = cfg.kv_spec()
+    if cfg.spec_type != "dflash" and not cfg.kv_spec(draft=True).plain:
+        log.warning("-ctkd/-ctvd apply to the DFlash drafter's cache only; ignored with --spec-type %s",
+                    cfg.spec_type)
     if target is None:
         target = Target.load(cfg.model, weights=cfg.weights)
     drafter = load_drafter(cfg, target)

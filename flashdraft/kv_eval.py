@@ -42,7 +42,9 @@ def parse_type(text: str, sink: int, tail: int) -> KVCacheSpec:
     Raises:
         ValueError: an unknown type.
     """
-    k, _, v = text.partition("/")
+    k, slash, v = text.partition("/")
+    if slash and not v:
+        raise ValueError(f"cache type {text!r}: give K/V as two types, e.g. q5_0/q4_1")
     v = v or k
     for t in (k, v):
         if t not in CACHE_TYPES:
@@ -281,6 +283,8 @@ def run(args) -> int:
         raise ValueError("--kv-sink-tokens and --kv-tail-tokens must be >= 0")
     if args.ctx < 2 or args.contexts < 1 or args.chunk < 1:
         raise ValueError("--ctx must be >= 2, --contexts and --chunk >= 1")
+    if max(args.kv_sink_tokens, args.kv_tail_tokens) > args.ctx:
+        raise ValueError(f"--kv-sink-tokens / --kv-tail-tokens cannot exceed --ctx ({args.ctx})")
     specs = [parse_type(t, args.kv_sink_tokens, args.kv_tail_tokens) for t in args.types]
     drafter = args.spec_draft_model
     if drafter is None and args.model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists():

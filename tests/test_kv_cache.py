@@ -227,6 +227,12 @@ def test_engine_refuses_bad_cache_settings():
         load_engine(EngineConfig(spec_type="none", cache_type_v="q8_0", kv_tail_tokens=-1), target=tiny_target("llama"))
     with pytest.raises(ValueError, match="divisible by 32"):  # tiny default head_dim is 16
         load_engine(EngineConfig(spec_type="none", cache_type_k="q8_0"), target=tiny_target("llama"))
+    with pytest.raises(ValueError, match="context size"):  # a tail longer than any sequence
+        load_engine(EngineConfig(spec_type="none", cache_type_k="q8_0", ctx_size=512, kv_tail_tokens=10 ** 12),
+                    target=tiny_target("llama"))
+    with pytest.raises(ValueError, match="-ctkd"):  # the drafter's cache names its flags
+        load_engine(EngineConfig(spec_type="dflash", draft_model="random", cache_type_k_draft="q4_0"),
+                    target=tiny_target("llama"))
 
 
 def test_exact_tail_limits_draft_length():

@@ -434,6 +434,8 @@ def test_seed_guide_command_lines_parse():
     assert ignored_flags(base) == ["-ngl all", "-b 2048", "-ub 512", "--flash-attn on"]
     kv = engine_config_from_args(base).kv_spec()
     assert (kv.type_k, kv.type_v) == ("q5_0", "q4_1")  # the guide's compressed cache is real
+    # -m without a drafter decodes plainly, as llama-server does without a draft model
+    assert engine_config_from_args(base).spec_type == "none" and settings_from_args(base).spec_type == "none"
 
     dflash = build_parser().parse_args(GUIDE_DFLASH.split())
     cfg = engine_config_from_args(dflash)
@@ -441,6 +443,16 @@ def test_seed_guide_command_lines_parse():
         "/models/target.gguf", "/models/drafter.gguf", "dflash", 1024, 32768, 16)
     assert set(ignored_flags(dflash)) == set(ignored_flags(base)) | {
         "--spec-draft-ngl all", "--kv-unified", "--cache-ram 0", "--no-mmap", "--mlock", "--no-host"}
+
+
+def test_bad_cache_flags_are_refused_before_binding_or_loading(caplog):
+    from flashdraft.server.cli import main as serve_main
+
+    for flags in (["--kv-tail-tokens", "-1"], ["-c", "256", "--kv-sink-tokens", "1000"],
+                  ["-ctk", "q8_0", "--kv-tail-tokens", "8", "--spec-draft-n-max", "64"]):
+        caplog.clear()
+        assert serve_main(["--port", "1", *flags]) == 1  # port 1 would fail to bind: never reached
+        assert any("kv-" in r.getMessage() or "spec-draft-n-max" in r.getMessage() for r in caplog.records)
 
 
 def test_serve_flags_work_on_a_subparser_and_unknown_flags_exit_2(capsys):

@@ -321,6 +321,8 @@ def run(args, target=None) -> int:
 
 
 def _settings(args, sets, temperatures, prompts) -> dict:
+    from flashdraft.cli import cache_fields
+
     return {
         "mode": "url" if args.url else "local",
         "prompt_sets": sets, "limit": args.limit,
@@ -330,9 +332,14 @@ def _settings(args, sets, temperatures, prompts) -> dict:
         "model": args.model, "drafter": args.spec_draft_model, "draft_model": args.draft_model,
         "n_draft": args.spec_draft_n_max, "ctx_size": args.ctx_size, "cross_ctx": args.spec_dflash_cross_ctx,
         "threads": args.threads, "urls": list(args.url), "n_prompts": len(prompts),
+        "weights": args.weights, **cache_fields(args),
     }
 
 
 def _title(args) -> str:
     model = args.model or "SmolLM2-135M-Instruct Q4_1 (default)"
+    if args.weights != "fp32":
+        model += f", {args.weights} weights"
+    if (args.cache_type_k, args.cache_type_v) != ("f32", "f32"):
+        model += f", KV cache {args.cache_type_k}/{args.cache_type_v}"
     return f"flashdraft bench: {model}, {args.prompts}" if not args.url else f"flashdraft bench: {', '.join(args.url)}"

@@ -66,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
                    help="drafter: DFlash SpecForge dir or GGUF, 'random[:LAYERS]', or for --spec-type draft "
                         "a small causal LM ('target' = the target itself)")
-    m.add_argument("--spec-type", choices=SPEC_TYPES, default="dflash", help="drafting method (default: dflash)")
+    m.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
+                   help="drafting method (default: dflash when a drafter is at hand - -md, or the shipped one for "
+                        "the default model - else none, like llama-server without a draft model)")
     m.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", dest="spec_draft_n_max",
                    type=_positive_int, default=16, help="draft tokens per step (default: 16)")
     m.add_argument("--spec-dm-controller", choices=("profit", "off"), default="profit",
@@ -139,10 +141,12 @@ def _ignored_dest(names: tuple[str, ...]) -> str:
 
 def settings_from_args(args: argparse.Namespace):
     """:class:`ServerSettings` from parsed flags."""
+    from flashdraft.engine import resolve_spec_type
     from flashdraft.server.state import ServerSettings
 
     return ServerSettings(
-        alias=args.alias, model_path=args.model, spec_type=args.spec_type,
+        alias=args.alias, model_path=args.model,
+        spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=None if args.seed < 0 else args.seed, n_predict=args.n_predict, metrics=args.metrics,
         api_key=args.api_key or None, reasoning=args.reasoning, n_parallel=args.parallel,
@@ -154,7 +158,10 @@ def engine_config_from_args(args: argparse.Namespace):
     from flashdraft.cli import cache_fields
     from flashdraft.engine import EngineConfig
 
-    return EngineConfig(model=args.model, spec_type=args.spec_type, draft_model=args.spec_draft_model,
+    from flashdraft.engine import resolve_spec_type
+
+    return EngineConfig(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
+                        draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights, **cache_fields(args))
 
@@ -189,6 +196,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     cfg = engine_config_from_args(args)
+    try:  # bad flags are refused before the port is bound or the model loads
+        cfg.validate()
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    if args.spec_type is None and cfg.spec_type == "none":
+        log.info("no drafter for -m %s: plain decoding (pass -md PATH to draft with DFlash)", args.model)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

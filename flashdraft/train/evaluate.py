@@ -249,7 +249,7 @@ def run(args) -> int:
     """``flashdraft eval``: load once, evaluate each temperature, print a table or JSON."""
     import torch
 
-    from flashdraft.cli import engine_config
+    from flashdraft.cli import cache_fields, engine_config
     from flashdraft.engine import load_engine
     from flashdraft.prompts import load_prompt_set
 
@@ -266,13 +266,17 @@ def run(args) -> int:
     params = [SamplingParams(temperature=t, seed=args.seed) for t in args.temperature]  # validates T
     prompts = load_prompt_set(args.dataset, args.limit)
     cfg = engine_config(args)
+    if cfg.spec_type == "none":
+        raise ValueError("flashdraft eval measures a drafter: pass -md PATH (a DFlash drafter for this target) "
+                         "or --spec-type ngram/draft")
     cfg.controller = "off"  # τ of the drafter itself: a fixed draft length
     generator = load_engine(cfg)
-    drafter = args.spec_draft_model or ("(shipped default)" if args.spec_type == "dflash" and not args.model else None)
-    header = {"target": generator.target.name, "spec_type": args.spec_type, "drafter": drafter,
-              "dataset": args.dataset, "n_prompts": len(prompts), "max_tokens": args.max_tokens}
+    drafter = args.spec_draft_model or ("(shipped default)" if cfg.spec_type == "dflash" and not args.model else None)
+    header = {"target": generator.target.name, "spec_type": cfg.spec_type, "drafter": drafter,
+              "dataset": args.dataset, "n_prompts": len(prompts), "max_tokens": args.max_tokens,
+              "weights": args.weights, **cache_fields(args)}
     if not args.json:
-        print(f"flashdraft eval: target {header['target']}, --spec-type {args.spec_type}"
+        print(f"flashdraft eval: target {header['target']}, --spec-type {cfg.spec_type}"
               + (f" ({drafter})" if drafter else "") + f", {args.dataset} x {len(prompts)} prompts, "
               f"max {args.max_tokens} tokens")
     results = []
