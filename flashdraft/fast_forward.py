@@ -242,6 +242,25 @@ class LeanForward:
         out = torch.bmm(probs, values)  # [n_kv, group*T, hd]
         return out.view(self.n_heads, T, self.head_dim).transpose(0, 1).reshape(T, -1)
 
+    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i's queries, keys and values of ``x [N, H]`` at the rows' RoPE angles
+        ``cos/sin [N, 1, hd]``: ``([N, n_heads, hd], [N, n_kv, hd], [N, n_kv, hd])``."""
+        layer, N = self.layers[i], x.shape[0]
+        h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
+        q, k, v = self.proj[i][0](h)
+        q, k, v = (q.view(N, self.n_heads, self.head_dim), k.view(N, self.n_kv_heads, self.head_dim),
+                   v.view(N, self.n_kv_heads, self.head_dim))
+        if self.qk_norm:
+            q = _rms_norm(q, layer.self_attn.q_norm.weight, self.eps)
+            k = _rms_norm(k, layer.self_attn.k_norm.weight, self.eps)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP block with its residual: ``x [N, H] -> [N, H]``."""
+        h = _rms_norm(x, self.layers[i].post_attention_layernorm.weight, self.eps)
+        gate, up = self.proj[i][2](h)
+        return x + self.proj[i][3](F.silu(gate) * up)[0]
+
     def forward(self, token_ids: torch.Tensor, cache: StaticKVCache | QuantizedKVCache, logits_from: int = 0,
                 feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``token_ids`` at positions ``cache.length ..``; the cache grows by T.
@@ -272,33 +291,21 @@ class LeanForward:
             bias = bias.repeat(self.group, 1)  # [group*T, S], rows ordered like the GQA query rows
         want = set(feature_layer_ids)
         kept: dict[int, torch.Tensor] = {}  # layer id -> its output [T, H] (ids may repeat)
-        nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
+        eps = self.eps
 
         x = F.embedding(token_ids, self.embed.weight)  # [T, H]
-        for i, layer in enumerate(self.layers):
-            qkv, o_proj, gate_up, down = self.proj[i]
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm.weight, eps)
-            q, k, v = qkv(h)
-            q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-            if self.qk_norm:
-                q = _rms_norm(q, attn.q_norm.weight, eps)
-                k = _rms_norm(k, attn.k_norm.weight, eps)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
             ad = self.attn_dtype  # no-ops for float32 weights
             if quantized:  # compressed K/V: the cache quantises, dequantises and attends
-                a = cache.attend(i, q, k, v, L, self.scale, ad)
+                a = cache.attend(i, q, k, v, L, self.scale)
             else:
                 keys, values = cache.k[i], cache.v[i]  # [n_kv, capacity, hd]
                 keys[:, L:S] = k.transpose(0, 1)  # written by position: rollback is a length move
                 values[:, L:S] = v.transpose(0, 1)
                 a = self._attention(q.to(ad), keys[:, :S].to(ad), values[:, :S].to(ad), bias, causal)  # [T, nh*hd]
             a = a.to(x.dtype)
-            x = x + o_proj(a)[0]
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            gate, up = gate_up(h)
-            x = x + down(F.silu(gate) * up)[0]
+            x = self._mlp(i, x + self.proj[i][1](a)[0])
             if i in want:
                 kept[i] = x
         cache.length = S
@@ -361,20 +368,11 @@ class LeanForward:
         cos, sin = self._cos[positions, None], self._sin[positions, None]  # [N, 1, hd]
         want = set(feature_layer_ids)
         kept: dict[int, torch.Tensor] = {}
-        N, nh, nkv, hd, eps, ad = row, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.attn_dtype
+        eps, ad = self.eps, self.attn_dtype
 
         x = F.embedding(torch.cat([t for t, _, _ in items]), self.embed.weight)  # [N, H]
-        for i, layer in enumerate(self.layers):
-            qkv, o_proj, gate_up, down = self.proj[i]
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm.weight, eps)
-            q, k, v = qkv(h)
-            q, k, v = q.view(N, nh, hd), k.view(N, nkv, hd), v.view(N, nkv, hd)
-            if self.qk_norm:
-                q = _rms_norm(q, attn.q_norm.weight, eps)
-                k = _rms_norm(k, attn.k_norm.weight, eps)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
             parts = []
             for (r, T, L, S, causal, bias), (_, cache, _) in zip(spans, items):
                 keys, values = cache.k[i], cache.v[i]  # this sequence's [n_kv, capacity, hd]
@@ -383,10 +381,7 @@ class LeanForward:
                 parts.append(self._attention(q[r:r + T].to(ad), keys[:, :S].to(ad), values[:, :S].to(ad),
                                              bias, causal))
             a = torch.cat(parts).to(x.dtype)  # [N, nh*hd]
-            x = x + o_proj(a)[0]
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            gate, up = gate_up(h)
-            x = x + down(F.silu(gate) * up)[0]
+            x = self._mlp(i, x + self.proj[i][1](a)[0])
             if i in want:
                 kept[i] = x
         for (_, _, _, S, _, _), (_, cache, _) in zip(spans, items):

@@ -226,19 +226,22 @@ class QuantizedKVCache:
         return sum(p.numel() * p.element_size() for s in (self.k, self.v) for p in s.parts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               scale: float, attn_dtype: torch.dtype) -> torch.Tensor:
+               scale: float) -> torch.Tensor:
         """Write ``k, v [T, n_kv, hd]`` at ``start`` and attend ``q [T, n_heads, hd]`` over
-        positions ``0 .. start+T-1`` (causal); returns ``[T, n_heads*hd]`` in ``attn_dtype``.
+        positions ``0 .. start+T-1`` (causal); returns ``[T, n_heads*hd]`` float32.
 
         Scores and weighted sums run in the stores' domain (queries rotated for a rotated K,
         the output rotated back for a rotated V; the rotation is orthonormal). Exact tail:
         for row t (position p = start+t) the columns ``p-tail+1 .. p`` use exact K/V.
+        Every product goes through :func:`matmul_nt`, whose rows do not depend on how many
+        rows or columns come with them, so a verify block attends bit for bit like
+        one-token steps (what keeps greedy speculative output equal to the baseline).
         """
         T, n_heads, hd = q.shape
         n_kv = k.shape[1]
         group = n_heads // n_kv
         S = start + T
-        pos = torch.arange(start, S)  # position of each row t
+        pos = torch.arange(start, S).repeat(group)  # position of each GQA row (g, t)
         cols = torch.arange(S)
         tail = max(self.k.tail, self.v.tail)
         # columns some row reads exactly: from the oldest row's tail start to S. Older exact
@@ -248,27 +251,49 @@ class QuantizedKVCache:
         v_old = self.v.recent(layer, lo, start) if self.v.tail else None
         kx = self.k.write(layer, start, k.transpose(0, 1))  # [n_kv, T, hd], store domain
         vx = self.v.write(layer, start, v.transpose(0, 1))
-        keys = self.k.read(layer, S, attn_dtype)  # [n_kv, S, hd]
-        values = self.v.read(layer, S, attn_dtype)
-        q = self.k.rotate(q.to(attn_dtype))  # keys are centered too, which softmax ignores
+        keys = self.k.read(layer, S, torch.float32)  # [n_kv, S, hd]
+        values_t = self.v.read(layer, S, torch.float32).transpose(1, 2).contiguous()  # [n_kv, hd, S]
+        q = self.k.rotate(q.float())  # keys are centered too, which softmax ignores
         # GQA rows: the `group` query heads of one K/V head become rows (g, t) of that head
         qg = (q * scale).transpose(0, 1).reshape(n_kv, group * T, hd)
-        scores = torch.bmm(qg, keys.transpose(1, 2))  # [n_kv, group*T, S]
-        mix = None
-        if tail:
-            # row t reads column j exactly when p - tail < j <= p
-            mix = ((cols[None, lo:] > pos[:, None] - tail) & (cols[None, lo:] <= pos[:, None])).repeat(group, 1)
+        # row r reads column j exactly when p - tail < j <= p (p = pos[r])
+        mix = ((cols[None] > pos[:, None] - tail) & (cols[None] <= pos[:, None])) if tail else None
+        future = cols[None] > pos[:, None] if T > 1 else None  # [group*T, S]
+        out = []
+        for h in range(n_kv):
+            scores = matmul_nt(qg[h], keys[h])  # [group*T, S]
             if k_old is not None:
-                k_ex = torch.cat((k_old, kx.float()), dim=1).to(attn_dtype)  # [n_kv, S-lo, hd]
-                exact_scores = torch.bmm(qg, k_ex.transpose(1, 2))  # [n_kv, group*T, S-lo]
-                scores[..., lo:] = torch.where(mix, exact_scores, scores[..., lo:])
-        if T > 1:
-            future = (cols[None, :] > pos[:, None]).repeat(group, 1)  # [group*T, S]
-            scores.masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, values)  # [n_kv, group*T, hd]
-        if v_old is not None:
-            v_ex = torch.cat((v_old, vx.float()), dim=1).to(attn_dtype)
-            out = out + torch.bmm(probs[..., lo:] * mix, v_ex - values[:, lo:])
-        out = self.v.restore(layer, out)  # [n_kv, group*T, hd]: rotation undone, center added
+                exact = matmul_nt(qg[h], torch.cat((k_old[h], kx[h].float())))  # columns lo..S-1
+                scores[:, lo:] = torch.where(mix[:, lo:], exact, scores[:, lo:])
+            if future is not None:
+                scores.masked_fill_(future, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = matmul_nt(probs, values_t[h])  # [group*T, hd]
+            if v_old is not None:
+                # exact minus decoded values in the tail, zero elsewhere: a product over all S
+                # columns keeps the row sums in the same order as a one-token step's
+                delta = torch.zeros(S, hd)
+                delta[lo:] = torch.cat((v_old[h], vx[h].float())) - values_t[h, :, lo:].t()
+                o = o + matmul_nt(probs * mix, delta.t().contiguous())
+            out.append(o)
+        out = self.v.restore(layer, torch.stack(out))  # [n_kv, group*T, hd]: rotation undone, center added
         return out.view(n_heads, T, hd).transpose(0, 1).reshape(T, -1)
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b[N, K]^T -> [M, N]`` float32, each output row independent of M and N.
+
+    oneDNN's inner-product kernel computes every row of the result the same whatever the
+    other rows and however many columns there are (and zero columns appended to K change
+    nothing), checked bitwise in tests/test_kv_cache.py; MKL's GEMM behind ``torch.mm``
+    does not (it picks kernels by shape, ~1e-6 apart). Without oneDNN: float64 products,
+    whose rounding noise the float32 result practically never shows.
+    """
+    if _ONEDNN:
+        if a.shape[0] == 1:  # a single row takes another kernel: run it as two
+            return torch.ops.mkldnn._linear_pointwise(a.expand(2, -1).contiguous(), b, None, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
+    return (a.double() @ b.double().t()).float()
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -284,18 +284,17 @@ class Target:
         return self.lean.new_cache(capacity or DEFAULT_CACHE_CAPACITY, kv)
 
     def stable_lean(self) -> LeanForward:
-        """The lean forward that compressed caches run on: prepacked projections and float64
-        attention, so a verify block computes every row's K/V and logits bit-identical to
-        one-token steps. Quantisation would otherwise turn the ~1e-6 float32 differences
-        between a block and a step into whole quantisation steps (a value on a rounding
-        boundary), and greedy speculative output could leave the greedy baseline (seen on
-        the real model with q5_0/q4_1). Costs a packed copy of the weights for fp32 models."""
+        """The lean forward that compressed caches run on: prepacked projections, whose rows
+        do not depend on how many rows come with them, so a verify block computes every
+        row's K/V and logits bit-identical to one-token steps (the compressed cache's
+        attention is made the same way, :func:`flashdraft.kv_cache.matmul_nt`). Quantisation
+        would otherwise turn the ~1e-6 float32 differences between a block and a step into
+        whole quantisation steps (a value on a rounding boundary), and greedy speculative
+        output could leave the greedy baseline (seen on the real model with q5_0/q4_1).
+        Costs a packed copy of the weights for fp32 models (bf16 ones are packed anyway)."""
         if self._lean_stable is None:
             lean = self.lean
-            if lean.pack and lean.attn_dtype == torch.float64:
-                self._lean_stable = lean
-            else:
-                self._lean_stable = LeanForward(self.model, pack=can_pack(lean.dtype), attn_dtype=torch.float64)
+            self._lean_stable = lean if lean.pack else LeanForward(self.model, pack=can_pack(lean.dtype))
         return self._lean_stable
 
     @torch.inference_mode()

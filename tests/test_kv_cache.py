@@ -261,3 +261,31 @@ def test_eval_kv_command_on_the_real_model(tmp_path, capsys):
     for row in r["types"].values():
         assert row["ppl"] > 1 and row["tau"] >= 1 and row["decode_tok_s"] > 0 and len(row["greedy_leads"]) == 2
     assert main(["eval-kv", "--types", "q9_9"]) == 1  # a clear error, not a traceback
+
+
+def test_matmul_rows_do_not_depend_on_the_batch():
+    """The property the compressed cache's attention rests on (see kv_cache.matmul_nt)."""
+    from flashdraft.kv_cache import matmul_nt
+    g = torch.Generator().manual_seed(0)
+    keys, q = torch.randn(300, 64, generator=g), torch.randn(48, 64, generator=g)
+    full = matmul_nt(q, keys)
+    assert torch.equal(matmul_nt(q[:3], keys), full[:3]) and torch.equal(matmul_nt(q[5:6], keys), full[5:6])
+    assert torch.equal(matmul_nt(q[:3], keys[:290]), full[:3, :290])  # fewer columns
+    p, vt = torch.rand(48, 300, generator=g), torch.randn(64, 300, generator=g)
+    p[:, 290:] = 0  # trailing zero weights (a step sees fewer positions than a block)
+    assert torch.equal(matmul_nt(p[:3, :290], vt[:, :290]), matmul_nt(p, vt)[:3])
+
+
+def test_verify_block_reproduces_single_steps_bitwise_under_compressed_caches():
+    """fp32 weights: with a compressed cache, a verify block's logits equal feeding the same
+    tokens one step at a time, bit for bit (300-token context, exact tail and sinks too)."""
+    target = tiny_target("llama", hidden=256, layers=3)  # head_dim 64
+    context = torch.tensor(PROMPT * 30)
+    block = torch.tensor([3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 32, 38, 4, 6, 2])
+    for kv in (KVCacheSpec("q4_0", "q8_0"), KVCacheSpec("turbo3", "turbo4", sink_tokens=4, tail_tokens=8)):
+        cache = target.new_cache(kv=kv)
+        target.forward(context, cache, logits_from=context.shape[0] - 1)
+        full, _ = target.forward(block, cache)
+        cache.rollback(context.shape[0])
+        steps = torch.cat([target.forward(block[i:i + 1], cache)[0] for i in range(block.shape[0])])
+        assert torch.equal(full, steps), kv

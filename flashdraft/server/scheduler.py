@@ -232,18 +232,24 @@ class Scheduler:
             self._thread.join(timeout)
 
     # -- worker thread ---------------------------------------------------------------
+    def _admit(self, ticket) -> bool:
+        """A ticket just taken off the queue: False (and its client told) when it must not run."""
+        if self.metrics:
+            self.metrics.deferred.dec()
+        if ticket.cancelled:  # its client left while it waited: never run it
+            ticket.channel.put(_CANCELLED)
+            return False
+        if self._closing:  # raced with begin_shutdown: refuse rather than start
+            ticket.channel.put(ServerShuttingDown())
+            return False
+        return True
+
     def _run(self) -> None:
         while True:
             ticket = self._queue.get()
             if ticket is None:
                 return
-            if self.metrics:
-                self.metrics.deferred.dec()
-            if ticket.cancelled:  # its client left while it waited: never run it
-                ticket.channel.put(_CANCELLED)
-                continue
-            if self._closing:  # raced with begin_shutdown: refuse rather than start
-                ticket.channel.put(ServerShuttingDown())
+            if not self._admit(ticket):
                 continue
             self._current = ticket
             if self.metrics:
@@ -320,13 +326,7 @@ class Scheduler:
                 return True
             if ticket is None:
                 return False
-            if self.metrics:
-                self.metrics.deferred.dec()
-            if ticket.cancelled:  # its client left while it waited: never run it
-                ticket.channel.put(_CANCELLED)
-                continue
-            if self._closing:  # raced with begin_shutdown: refuse rather than start
-                ticket.channel.put(ServerShuttingDown())
+            if not self._admit(ticket):
                 continue
             job = ticket.job
             try:
