@@ -232,7 +232,7 @@ class Scheduler:
             self._thread.join(timeout)
 
     # -- worker thread ---------------------------------------------------------------
-    def _admit(self, ticket) -> bool:
+    def _accept(self, ticket) -> bool:
         """A ticket just taken off the queue: False (and its client told) when it must not run."""
         if self.metrics:
             self.metrics.deferred.dec()
@@ -249,7 +249,7 @@ class Scheduler:
             ticket = self._queue.get()
             if ticket is None:
                 return
-            if not self._admit(ticket):
+            if not self._accept(ticket):
                 continue
             self._current = ticket
             if self.metrics:
@@ -326,7 +326,7 @@ class Scheduler:
                 return True
             if ticket is None:
                 return False
-            if not self._admit(ticket):
+            if not self._accept(ticket):
                 continue
             job = ticket.job
             try:
