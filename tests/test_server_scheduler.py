@@ -41,10 +41,10 @@ async def drain(ticket) -> list:
     return [step async for step in ticket.events()]
 
 
-def run(coro_fn, generator, metrics=None):
+def run(coro_fn, generator, metrics=None, n_slots: int = 1):
     """Run ``coro_fn(scheduler)`` on a fresh loop with a started scheduler."""
     async def main():
-        s = Scheduler(generator, metrics)
+        s = Scheduler(generator, metrics, n_slots=n_slots)
         s.start()
         try:
             return await coro_fn(s)

@@ -18,7 +18,8 @@ from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.fast_forward import can_pack
 from flashdraft.generate import Cancelled, SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.server.scheduler import GenerationJob, Scheduler
+from flashdraft.server.scheduler import GenerationJob
+from test_server_scheduler import run as run_scheduler
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 from flashdraft.target import Target
 
@@ -105,14 +106,7 @@ async def _collect(ticket) -> tuple[list[int], str, float]:
 
 
 def _serve(generator, n_slots, coro_fn):
-    async def main():
-        s = Scheduler(generator, n_slots=n_slots)
-        s.start()
-        try:
-            return await coro_fn(s)
-        finally:
-            s.stop()
-    return asyncio.run(main())
+    return run_scheduler(coro_fn, generator, n_slots=n_slots)
 
 
 def _drafters(target):
