@@ -395,3 +395,81 @@ class LeanForward:
             features = torch.cat([kept[j][r:r + T] for j in feature_layer_ids], dim=-1) if feature_layer_ids else None
             out.append((part, features))
         return out
+
+    # -- many sequences, one token each (batched regeneration) --------------------------
+    @torch.inference_mode()
+    def prefill_row(self, token_ids: torch.Tensor, kv: "BatchKV", row: int,
+                    feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill one sequence into row ``row`` of ``kv`` (a new sequence reuses the row).
+
+        Returns ``(logits [T, V] float32, features [T, k*H] or None)``: every position's
+        logits (regeneration keeps each position's next-token distribution).
+        Raises ValueError when the prompt does not fit the row.
+        """
+        T = int(token_ids.shape[0])
+        if T >= kv.capacity:
+            raise ValueError(f"prompt of {T} tokens does not fit a batch cache of {kv.capacity} positions")
+        cache = StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, T, self.dtype)
+        logits, features = self.forward(token_ids, cache, 0, feature_layer_ids)
+        for i in range(self.n_layers):
+            kv.k[i][row, :, :T] = cache.k[i][:, :T]
+            kv.v[i][row, :, :T] = cache.v[i][:, :T]
+        kv.lengths[row] = T
+        return logits, features
+
+    @torch.inference_mode()
+    def decode_rows(self, token_ids: torch.Tensor, kv: "BatchKV",
+                    feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step for every row of ``kv``: ``token_ids [N]`` at positions ``kv.lengths``.
+
+        Attention is one batched matmul over ``[N, n_kv, group, S]`` with each row's padding
+        masked, so N sequences cost one set of weight reads and one attention call per layer
+        (:meth:`forward_packed` loops over sequences for attention). Each row's length grows
+        by one. Returns ``(logits [N, V] float32, features [N, k*H] or None)``; equal to
+        :meth:`forward` per row up to float32 summation order.
+        Raises ValueError when a row would outgrow the capacity.
+        """
+        N = int(token_ids.shape[0])
+        pos = kv.lengths.clone()  # [N]
+        S = int(pos.max()) + 1
+        if S > kv.capacity:
+            raise ValueError(f"a row would pass the batch cache capacity {kv.capacity}")
+        self._rope_table(S)
+        cos, sin = self._cos[pos, None], self._sin[pos, None]  # [N, 1, hd]
+        rows, ad = torch.arange(N), self.attn_dtype
+        bias = torch.zeros(N, 1, 1, S, dtype=ad)  # -inf past each row's own length
+        bias.masked_fill_((torch.arange(S)[None] > pos[:, None])[:, None, None], float("-inf"))
+        nkv, g, hd = self.n_kv_heads, self.group, self.head_dim
+        want, kept = set(feature_layer_ids), {}
+        x = F.embedding(token_ids, self.embed.weight)  # [N, H]
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)  # [N, nh, hd], [N, nkv, hd] x2
+            kv.k[i][rows, :, pos] = k
+            kv.v[i][rows, :, pos] = v
+            keys, values = kv.k[i][:, :, :S].to(ad), kv.v[i][:, :, :S].to(ad)  # [N, nkv, S, hd]
+            qg = (q * self.scale).to(ad).view(N, nkv, g, hd)
+            scores = torch.matmul(qg, keys.transpose(2, 3)) + bias  # [N, nkv, g, S]
+            a = torch.matmul(torch.softmax(scores, dim=-1), values)  # [N, nkv, g, hd]
+            x = self._mlp(i, x + self.proj[i][1](a.reshape(N, -1).to(x.dtype))[0])
+            if i in want:
+                kept[i] = x
+        kv.lengths += 1
+        logits = self.lm_head(_rms_norm(x, self.final_norm.weight, self.eps))[0].float()
+        features = torch.cat([kept[i] for i in feature_layer_ids], dim=-1) if feature_layer_ids else None
+        return logits, features
+
+
+class BatchKV:
+    """K/V of ``n_rows`` independent sequences in one buffer, for batched one-token decoding.
+
+    ``k[layer]`` / ``v[layer]`` are ``[n_rows, n_kv, capacity, hd]``; ``lengths [n_rows]``
+    counts each row's valid positions. A row is reused for a new sequence by
+    :meth:`LeanForward.prefill_row` (its stale K/V past the new length are never read).
+    """
+
+    def __init__(self, lean: LeanForward, n_rows: int, capacity: int):
+        shape = (n_rows, lean.n_kv_heads, capacity, lean.head_dim)
+        self.k = [torch.zeros(shape, dtype=lean.dtype) for _ in range(lean.n_layers)]
+        self.v = [torch.zeros(shape, dtype=lean.dtype) for _ in range(lean.n_layers)]
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.capacity = capacity

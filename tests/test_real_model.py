@@ -37,6 +37,11 @@ def test_seed_prompts_identical_tokens_for_every_drafter(target, prompt):
         assert out[1] == base[1], spec
         assert out[0] == base[0] and out[2] == base[2]
         assert out[3].draft_n > 0
+    # an n-gram-seeded DFlash drafter (blocks start from the prompt-lookup continuation)
+    drafter = load_drafter(EngineConfig(spec_type="dflash", draft_model=dflash), target)
+    drafter.model.ngram_seeded = True
+    out = generate_text(SpeculativeGenerator(target, drafter, n_draft=15), ids, 128, SamplingParams())
+    assert out[1] == base[1] and out[0] == base[0], "ngram-seeded dflash"
 
 
 def test_compressed_cache_greedy_speculative_equals_its_baseline(target):

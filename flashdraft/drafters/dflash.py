@@ -99,6 +99,38 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
+    def forward_blocks(self, x, cos, sin, ctx_k, ctx_v, anchors) -> torch.Tensor:
+        """Many independent blocks of one sequence against its context, without a dense mask.
+
+        Args:
+            x: ``[K, B, H]`` K blocks of B rows.
+            cos / sin: ``[K, B, hd]`` RoPE tables at the blocks' positions.
+            ctx_k / ctx_v: ``[1, n_kv, T, hd]`` context keys/values of the whole sequence.
+            anchors: ``[K]`` block j sees context positions ``< anchors[j]`` and its own rows.
+        Returns ``[K, B, H]``. Same result as :meth:`forward` with
+        :func:`flashdraft.train.objective.block_attention_mask`, but the block-to-block part
+        costs ``K*B*B`` scores instead of ``(K*B)**2`` (paper §4.2 packs blocks the same way).
+        """
+        K, B, _ = x.shape
+        nkv, g, hd = self.n_kv, self.n_heads // self.n_kv, self.head_dim
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), cos, sin)  # [K, nh, B, hd]
+        k_blk, v_blk = self.kv(x, cos, sin)  # [K, nkv, B, hd]
+        # attention arithmetic in float32: CPU bf16 batched matmuls of these shapes are slow
+        dtype = q.dtype
+        q = q.float().view(K, nkv, g, B, hd) * hd ** -0.5
+        ctx_k, ctx_v, k_blk, v_blk = ctx_k.float(), ctx_v.float(), k_blk.float(), v_blk.float()
+        T = ctx_k.shape[2]
+        s_ctx = torch.einsum("kngbd,ntd->kngbt", q, ctx_k[0])  # [K, nkv, g, B, T]
+        hidden_ctx = torch.arange(T, device=x.device)[None] >= anchors[:, None]  # [K, T]
+        s_ctx = s_ctx.masked_fill(hidden_ctx[:, None, None, None], float("-inf"))
+        s_own = torch.einsum("kngbd,kncd->kngbc", q, k_blk)  # [K, nkv, g, B, B]
+        p = torch.softmax(torch.cat([s_ctx, s_own], dim=-1), dim=-1)
+        out = (torch.einsum("kngbt,ntd->kngbd", p[..., :T], ctx_v[0])
+               + torch.einsum("kngbc,kncd->kngbd", p[..., T:], v_blk))  # [K, nkv, g, B, hd]
+        out = out.reshape(K, self.n_heads, B, hd).transpose(1, 2).reshape(K, B, -1)
+        return self.o_proj(out.to(dtype))
+
+
 class DFlashMLP(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
@@ -123,6 +155,10 @@ class DFlashLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_blocks(self, x, cos, sin, ctx_k, ctx_v, anchors):
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, anchors)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashDraftModel(nn.Module):
     """The drafter network; ``state_dict()`` uses z-lab/SpecForge weight names.
@@ -139,6 +175,10 @@ class DFlashDraftModel(nn.Module):
         dcfg = config.get("dflash_config", {})
         self.block_size = int(config.get("block_size", dcfg.get("block_size", 16)))
         self.mask_token_id = int(dcfg.get("mask_token_id", config.get("mask_token_id")))
+        #: n-gram-seeded blocks (a flashdraft extension, off in z-lab/SpecForge drafters): the
+        #: mask positions of a block start as the prompt-lookup continuation of the anchor
+        #: where one exists (:func:`seed_block`), so the drafter refines candidates
+        self.ngram_seeded = bool(dcfg.get("ngram_seeded", False))
         self.target_layer_ids = list(dcfg.get("target_layer_ids") or build_target_layer_ids(
             config["num_target_layers"], config["num_hidden_layers"]))
         rope = config.get("rope_parameters") or {}
@@ -186,6 +226,40 @@ class DFlashDraftModel(nn.Module):
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, attn_mask)
         return self.norm(x)
+
+
+    def forward_blocks(self, noise_embedding: torch.Tensor, anchors: torch.Tensor,
+                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Denoise K blocks of one sequence at once (training and the offline walk).
+
+        Args:
+            noise_embedding: ``[K, B, H]`` target embeddings of each [anchor, mask, ...] block.
+            anchors: ``[K]`` anchor positions; block j sits at positions ``anchors[j] + 0..B-1``
+                and sees the context strictly before its anchor, never another block.
+            ctx_kv: per layer ``(k, v)`` each ``[1, n_kv, T, hd]`` (:meth:`context_kv` of the
+                whole sequence).
+        Returns:
+            ``[K, B, H]`` final-normed hidden states.
+        """
+        B = noise_embedding.shape[1]
+        cos, sin = self.rope(anchors[:, None] + torch.arange(B, device=anchors.device)[None])  # [K, B, hd]
+        x = noise_embedding
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer.forward_blocks(x, cos, sin, k, v, anchors)
+        return self.norm(x)
+
+
+def seed_block(block: torch.Tensor, candidate: list[int]) -> torch.Tensor:
+    """Write a prompt-lookup ``candidate`` into the mask positions of ``block [n+1]`` (in place).
+
+    Position 0 (the anchor) is kept; positions 1.. take the candidate's tokens, the rest stay
+    mask tokens. The candidate must come from tokens up to the anchor only
+    (:func:`flashdraft.drafters.ngram.lookup_candidates`), at training and inference alike.
+    """
+    m = min(len(candidate), block.shape[0] - 1)
+    if m:
+        block[1:1 + m] = torch.tensor(candidate[:m], dtype=block.dtype)
+    return block
 
 
 def drafter_config_for_target(target_config, num_layers: int = 1, block_size: int = 16,
@@ -368,6 +442,11 @@ class DFlashDrafter(Drafter):
         # 1. block = [anchor, mask x n], embedded with the target's table
         block = torch.full((n + 1,), self.model.mask_token_id, dtype=torch.long)
         block[0] = tokens[-1]
+        if self.model.ngram_seeded:  # start the mask positions from the prompt-lookup continuation
+            from flashdraft.drafters.ngram import lookup_candidates
+
+            seq = tokens.tolist()
+            seed_block(block, lookup_candidates(seq, [len(seq) - 1], n)[0])
         x = self.embed_tokens(block)[None].to(self.model.fc.weight.dtype)  # [1, n+1, H]
         positions = torch.arange(anchor_pos, anchor_pos + n + 1)[None]
         # 2. one bidirectional forward over [context | block]; block K/V are not kept

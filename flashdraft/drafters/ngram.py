@@ -41,3 +41,44 @@ class NgramDrafter(Drafter):
                         return Draft(torch.tensor(follow, dtype=torch.long))
                     break
         return Draft.empty()
+
+
+def lookup_candidates(ids: list[int], anchors, n: int, max_ngram: int = 3, min_ngram: int = 1) -> list[list[int]]:
+    """Prompt-lookup continuations at many anchors of one sequence, in one pass.
+
+    For anchor ``a`` this is exactly ``NgramDrafter(max_ngram, min_ngram).propose(ids[:a+1], n)``
+    (the most recent earlier occurrence of the longest matching suffix n-gram, and up to
+    ``n`` tokens that followed it), but computed with one dictionary per n-gram size while
+    walking the sequence once, so it never reads a token after the anchor (tested).
+
+    Args:
+        ids: token ids of the sequence.
+        anchors: increasing anchor positions.
+        n: tokens per continuation at most.
+    Returns:
+        one list of at most ``n`` token ids per anchor (empty where nothing matched).
+    """
+    sizes = range(max_ngram, min_ngram - 1, -1)
+    last_end: dict[int, dict[tuple, int]] = {s: {} for s in sizes}  # n-gram -> end of its latest occurrence
+    out: list[list[int]] = []
+    want = iter(anchors)
+    nxt = next(want, None)
+    for p in range(len(ids)):
+        if nxt is not None and p == nxt:
+            cand: list[int] = []
+            for s in sizes:
+                if s > p:  # the suffix needs an earlier occurrence: at most p tokens long
+                    continue
+                e = last_end[s].get(tuple(ids[p - s + 1:p + 1]))
+                if e is not None:
+                    cand = ids[e + 1:min(e + 1 + n, p + 1)]
+                    break
+            out.append(cand)
+            nxt = next(want, None)
+        for s in sizes:  # the n-grams ending at p become visible to later anchors
+            if p - s + 1 >= 0:
+                last_end[s][tuple(ids[p - s + 1:p + 1])] = p
+    while nxt is not None:  # anchors past the end
+        out.append([])
+        nxt = next(want, None)
+    return out

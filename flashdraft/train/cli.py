@@ -17,24 +17,54 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", "-m", default=None, help="target model (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoint.pt, drafter/, train_log.jsonl)")
-    p.add_argument("--data", default=None, help="regenerated data directory (default: OUT/data)")
+    p.add_argument("--data", default=None,
+                   help="regenerated data directory, or several separated by commas (default: OUT/data)")
     p.add_argument("--prompts", type=int, default=2000,
                    help="responses to regenerate before training (0 = use what DATA has; default 2000)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap for regeneration")
-    p.add_argument("--regen-batch-size", type=int, default=16)
+    p.add_argument("--regen-batch-size", type=int, default=32, help="sequences regenerated together")
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this many hours")
     p.add_argument("--steps", type=int, default=6000, help="optimizer steps (cosine schedule length)")
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
     p.add_argument("--feature-layers", type=int, default=3, help="target layers fused as context features")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--blocks-per-step", type=int, default=32, help="blocks of one sequence per step")
+    p.add_argument("--blocks-per-step", type=int, default=256,
+                   help="anchors (blocks) per sequence per step, at most one per answer position (default 256)")
+    p.add_argument("--seqs-per-step", type=int, default=2, help="sequences per optimizer step (default 2)")
+    p.add_argument("--feature-layer-ids", default=None,
+                   help="comma-separated target layers for the context features (overrides --feature-layers)")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="share of the soft-label loss on the target's stored top-k distribution (0 = hard CE)")
+    p.add_argument("--init-from", default=None, help="start from this drafter's weights (warm start)")
+    p.add_argument("--ngram-seeded", action="store_true",
+                   help="train an n-gram-seeded drafter: block mask positions start as the prompt-lookup "
+                        "continuation of the anchor (dflash_config.ngram_seeded)")
+    p.add_argument("--init-layers", default=None, help="comma-separated target layers to initialise drafter layers from")
+    p.add_argument("--eval-answers", type=int, default=24,
+                   help="held-out answers walked per set at each evaluation (default 24)")
+    p.add_argument("--heldout-root", default="datasets/heldout",
+                   help="held-out answers for the offline τ (made by `flashdraft eval --offline`)")
+    p.add_argument("--build-features", action="store_true",
+                   help="compute stored context features for DATA's shards that lack them, then exit")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (0 = full)")
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="bf16 autocast: auto = when a measured bf16 matmul beats float32 on this CPU (default)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_const", const="off", help="same as --bf16 off")
     p.add_argument("--eval-minutes", type=float, default=20.0, help="held-out τ every N minutes (0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+
+
+def _int_list(text: str | None) -> list[int]:
+    """``"1,14,27"`` -> ``[1, 14, 27]``. Raises ValueError naming the bad value."""
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def run(args) -> int:
@@ -46,19 +76,33 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    data = Path(args.data) if args.data else out / "data"
+    data = args.data or str(out / "data")
     start = time.time()
-    if args.prompts:  # resumable: ids already in DATA are skipped
-        from flashdraft.train.data import regenerate, training_prompts
-        regenerate(args.target, None, data, training_prompts()[: args.prompts], max_new_tokens=args.max_new_tokens,
-                   batch_size=args.regen_batch_size)
+    if args.prompts:  # resumable: ids already in DATA are skipped; features stored as it goes
+        from flashdraft.train.data import training_prompts
+        from flashdraft.train.regen import regenerate_packed
+
+        regenerate_packed(data.split(",")[0], training_prompts()[: args.prompts], model=args.target,
+                          max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
     target = Target.load(args.target)
+    if args.build_features:
+        from flashdraft.train.features import build_features
+        from flashdraft.train.regen import default_stored_layers
+
+        for d in str(data).split(","):
+            n = build_features(d, target, default_stored_layers(target.num_layers))
+            print(f"{d}: features computed for {n} sequences")
+        return 0
     hours = None if args.max_hours is None else max(0.01, args.max_hours - (time.time() - start) / 3600)
-    cfg = TrainConfig(data_dir=str(data), out_dir=str(out), target=args.target, num_layers=args.layers,
+    cfg = TrainConfig(data_dir=data, out_dir=str(out), target=args.target, num_layers=args.layers,
                       num_feature_layers=args.feature_layers, block_size=args.block_size,
                       blocks_per_step=args.blocks_per_step, steps=args.steps, max_hours=hours, lr=args.lr,
                       draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id, seed=args.seed,
-                      bf16=not args.no_bf16, eval_minutes=args.eval_minutes)
+                      bf16={"auto": None, "on": True, "off": False}[args.bf16], eval_minutes=args.eval_minutes, seqs_per_step=args.seqs_per_step,
+                      feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight,
+                      init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
+                      heldout_root=args.heldout_root, init_from=args.init_from,
+                      ngram_seeded=args.ngram_seeded)
     result = Trainer(cfg, target=target).train()
     print(json.dumps(result))
     print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve -md {out / 'drafter'}")

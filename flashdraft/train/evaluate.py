@@ -236,13 +236,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="humaneval",
                    help="prompt set: humaneval, sharegpt-heldout, seed, or a .jsonl file (default: humaneval)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per prompt at most (default: 128)")
+    p.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="tokens per prompt at most (default: 128 online, 256 with --offline)")
     p.add_argument("--temperature", "--temp", type=float, nargs="+", default=[0.0, 0.7],
                    help="temperatures to run (default: 0 0.7)")
     p.add_argument("--seed", type=int, default=0, help="base seed at T>0: prompt i uses seed+i (default: 0)")
     p.add_argument("--no-chat", action="store_true", help="send prompts as plain text, without the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens even past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--offline", action="store_true",
+                   help="regenerate the held-out answers once (kept under --heldout-root), then walk them as "
+                        "decoding would: exact online τ at T=0 in minutes; also walks prompt lookup and a bigram "
+                        "table. --dataset takes a comma-separated list")
+    p.add_argument("--heldout-root", default="datasets/heldout",
+                   help="where --offline keeps the regenerated held-out answers (default: datasets/heldout)")
+    p.add_argument("--bigram-data", nargs="*", default=None,
+                   help="training answer directories for the bigram reference (default: datasets/* of the repo)")
+    p.add_argument("--json-out", default=None, help="--offline: also write the full report to this file")
 
 
 def run(args) -> int:
@@ -255,6 +265,14 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.max_tokens is None:
+        args.max_tokens = 256 if args.offline else 128
+    if args.offline:
+        from flashdraft.train.walk import run_offline
+
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        return run_offline(args)
     if args.block_size is not None:
         if args.block_size < 2:
             raise ValueError(f"--block-size must be >= 2 (an anchor and at least one draft), got {args.block_size}")

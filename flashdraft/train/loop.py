@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -53,28 +54,50 @@ class TrainConfig:
     draft_vocab: int = 8192
     mask_token_id: int | None = None
     seed: int = 0
-    bf16: bool = True
+    #: bf16 autocast: True, False, or None = when it is faster on this CPU (:func:`bf16_pays`)
+    bf16: bool | None = None
     checkpoint_minutes: float = 5.0
     eval_minutes: float = 20.0
     eval_prompts: int = 4
     eval_tokens: int = 64
     feature_cache_gb: float = 6.0
     init_layers: list[int] = field(default_factory=list)
+    #: explicit target layers for the context features (overrides ``num_feature_layers``)
+    feature_layer_ids: list[int] = field(default_factory=list)
+    #: sequences per optimizer step (their blocks' losses are averaged)
+    seqs_per_step: int = 1
+    #: share of the soft-label term (the target's top-k next-token distribution), 0 = hard CE
+    soft_weight: float = 0.0
+    #: held-out answers walked per set at each evaluation (offline τ, ``flashdraft.train.walk``)
+    eval_answers: int = 48
+    heldout_root: str = "datasets/heldout"
+    #: start from this drafter's weights (a SpecForge directory or GGUF) instead of a fresh init
+    init_from: str | None = None
+    #: train an n-gram-seeded drafter (``dflash_config.ngram_seeded``; see :func:`seed_block`)
+    ngram_seeded: bool = False
 
 
-def read_shards(data_dir: Path) -> list[tuple[str, torch.Tensor, int]]:
-    """All regenerated sequences: ``(id, ids [T] int64, n_prompt)``, shards in name order."""
+def read_shards(data_dir: Path, with_shard: bool = False) -> list[tuple]:
+    """All regenerated sequences: ``(id, ids [T] int64, n_prompt)`` (plus the shard index
+    with ``with_shard``), shards in name order; ``shard-*.jsonl`` or gzipped ``.jsonl.gz``.
+    A line being written right now (not yet valid JSON) is skipped."""
+    import gzip
+
     seqs = []
-    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
-        for line in shard.read_text().splitlines():
+    shards = sorted(list(Path(data_dir).glob("shard-*.jsonl")) + list(Path(data_dir).glob("shard-*.jsonl.gz")))
+    for shard in shards:
+        index = int(shard.name.split("-")[1].split(".")[0])
+        text = gzip.open(shard, "rt").read() if shard.suffix == ".gz" else shard.read_text()
+        for line in text.splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line being written right now
+                continue
             if len(rec["response_ids"]) < 2:
                 continue
             ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"], dtype=torch.long)
-            seqs.append((rec["id"], ids, len(rec["prompt_ids"])))
+            item = (rec["id"], ids, len(rec["prompt_ids"]))
+            seqs.append(item + (index,) if with_shard else item)
     return seqs
 
 
@@ -85,8 +108,8 @@ def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenize
     the rest, so a vocabulary chosen while regeneration is young still covers the domain.
     """
     counts = Counter()
-    for _, ids, n_prompt in seqs:
-        counts.update(ids[n_prompt:].tolist())
+    for item in seqs:  # (id, ids, n_prompt, ...)
+        counts.update(item[1][item[2]:].tolist())
     top = [t for t, _ in counts.most_common()]
     if tokenizer is not None and len(top) < size:
         more = Counter()
@@ -97,6 +120,27 @@ def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenize
     room = size - len(always - set(top[:size]))
     vocab = sorted(set(top[:room]) | always)
     return torch.tensor(vocab, dtype=torch.long)
+
+
+def bf16_pays(rows: int = 1024, inner: int = 576, cols: int = 4096) -> bool:
+    """True when a bf16 matmul of training size beats float32 on this CPU (measured, ~0.5 s).
+
+    CPUs with AVX512-BF16 or AMX run bf16 2-3x faster than float32; AVX2-only CPUs emulate
+    it and run it several times *slower* (seen: 8x), so the choice is measured, not assumed.
+    """
+    a, w = torch.randn(rows, inner), torch.randn(cols, inner)
+
+    def best(dtype) -> float:
+        x, y = a.to(dtype), w.to(dtype)
+        x @ y.t()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            x @ y.t()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(torch.bfloat16) < best(torch.float32)
 
 
 class Trainer:
@@ -111,9 +155,12 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.features: dict[str, torch.Tensor] = {}
         self.feature_bytes = 0
-        self.seqs = read_shards(Path(cfg.data_dir))
+        self.data_dirs = [Path(d) for d in str(cfg.data_dir).split(",") if d]
+        self.seqs = self._read_all()
         if not self.seqs:
             raise ValueError(f"no training sequences in {cfg.data_dir}: run the regeneration first")
+        self.cpu_seconds = 0.0
+        self.best_tau = None
         ckpt = self.out / "checkpoint.pt"
         state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
         self.drafter = self._build_drafter(state)
@@ -125,7 +172,10 @@ class Trainer:
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.epoch, self.order_pos = state["epoch"], state["order_pos"]
             self.gen.set_state(state["rng"])
+            self.cpu_seconds = state.get("cpu_seconds", 0.0)
+            self.best_tau = state.get("best_tau")
             log.info("resumed from %s at step %d", ckpt, self.step)
+        self.stores = self._open_stores()
         self.target.set_feature_layers(self.drafter.target_layer_ids)
         emb = self.target.embed_tokens.weight.detach()
         self.embed_weight = emb
@@ -145,10 +195,16 @@ class Trainer:
                 model.set_draft_vocab(state["d2t"])
             model.load_state_dict(state["model"])
             return model
+        if cfg.init_from:
+            from flashdraft.drafters.dflash import load_dflash_model
+
+            model = load_dflash_model(cfg.init_from)
+            log.info("initialised from %s (layers %s)", cfg.init_from, model.target_layer_ids)
+            return self._mark_seeded(model)
         mask = cfg.mask_token_id
         if mask is None:
             mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
-        layer_ids = build_target_layer_ids(t.num_layers, cfg.num_feature_layers)
+        layer_ids = cfg.feature_layer_ids or build_target_layer_ids(t.num_layers, cfg.num_feature_layers)
         config = drafter_config_for_target(t.config, cfg.num_layers, cfg.block_size, mask, layer_ids)
         model = DFlashDraftModel(config)
         # the last target layers map hidden states into the LM head's input space
@@ -159,9 +215,44 @@ class Trainer:
             texts = [p["prompt"] for p in training_prompts()]
             model.set_draft_vocab(draft_vocabulary(self.seqs, cfg.draft_vocab, t.eos_token_ids | {mask},
                                                    texts, t.tokenizer))
+        return self._mark_seeded(model)
+
+    def _mark_seeded(self, model: DFlashDraftModel) -> DFlashDraftModel:
+        if self.cfg.ngram_seeded:
+            model.config["dflash_config"]["ngram_seeded"] = True
+            model.ngram_seeded = True
         return model
 
     # -- data -------------------------------------------------------------------------
+    def _read_all(self) -> list[tuple[str, torch.Tensor, int, int]]:
+        """``(id, ids, n_prompt, data dir index)`` of every data directory's sequences."""
+        return [(sid, ids, n, d) for d, path in enumerate(self.data_dirs) for sid, ids, n in read_shards(path)]
+
+    def _open_stores(self) -> list:
+        """Per data directory: ``(FeatureStore, columns of the drafter's layers)`` or None."""
+        from flashdraft.train.features import FeatureStore
+
+        stores = []
+        for path in self.data_dirs:
+            try:
+                store = FeatureStore(path)
+                stores.append((store, store.columns(self.drafter.target_layer_ids)))
+            except (FileNotFoundError, ValueError) as e:
+                log.warning("%s: no stored features for layers %s (%s); computing them with the target",
+                            path, self.drafter.target_layer_ids, e)
+                stores.append(None)
+        return stores
+
+    def _sequence(self, seq_id: str, ids: torch.Tensor, d: int):
+        """``(features [T', k*H] float32, soft labels or None)`` of one training sequence."""
+        entry = self.stores[d]
+        if entry is not None and seq_id in entry[0]:
+            rows = entry[0].get(seq_id)
+            feats = torch.from_numpy(np.ascontiguousarray(rows.features[:, entry[1]])).float()
+            soft = (torch.from_numpy(np.array(rows.topk_ids)), torch.from_numpy(np.array(rows.topk_logp)))
+            return feats, soft
+        return self._features(seq_id, ids), None
+
     def _features(self, seq_id: str, ids: torch.Tensor) -> torch.Tensor:
         """Target context features ``[T, k*H]`` of a sequence (cached as fp16)."""
         f = self.features.get(seq_id)
@@ -185,14 +276,46 @@ class Trainer:
         state = {"config": self.drafter.config, "model": self.drafter.state_dict(), "d2t": self.drafter.d2t,
                  "optimizer": self.opt.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen,
                  "epoch": self.epoch, "order_pos": self.order_pos, "rng": self.gen.get_state(),
-                 "train_config": asdict(self.cfg)}
+                 "train_config": asdict(self.cfg), "cpu_seconds": self.cpu_seconds, "best_tau": self.best_tau}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
         save_specforge(self.out / "drafter", self.drafter.config, self.drafter.state_dict())
 
     def evaluate(self) -> dict:
-        """Held-out acceptance length τ at T=0 on a few prompts of each held-out set."""
+        """Held-out acceptance length τ at T=0 (and per-position acceptance at k=1).
+
+        Walks up to ``eval_answers`` stored held-out answers of HumanEval and the ShareGPT
+        held-out ids (:mod:`flashdraft.train.walk`: equal to the online τ at T=0) when
+        ``heldout_root`` has them; otherwise runs the online loop on a few prompts.
+        """
+        from flashdraft.train.walk import DFlashProposals, heldout_answers_dir, load_answers, target_features, walk_dataset
+
+        was_training = self.drafter.training
+        self.drafter.eval()
+        result = {}
+        try:
+            for name in ("humaneval", "sharegpt-heldout"):
+                directory = heldout_answers_dir(self.cfg.heldout_root, self.target.name, name, 0.0)
+                if not any(directory.glob("shard-*")):
+                    return self._evaluate_online()
+                answers = load_answers(directory, self.target, self.drafter.target_layer_ids, self.cfg.eval_answers)
+                d2t = self.drafter.d2t
+
+                def proposer(ids, n_prompt, feats):
+                    if feats is None:
+                        feats = target_features(self.target, ids, self.drafter.target_layer_ids)
+                    return DFlashProposals(self.drafter, self.embed_weight, self.head_weight, d2t, feats, ids, n_prompt)
+
+                r = walk_dataset(answers, proposer, self.cfg.block_size - 1, 256, self.target.eos_token_ids)
+                result[f"tau_{name}"] = r["tau"]
+                result[f"accept1_{name}"] = r["per_position_acceptance"][0]
+        finally:
+            self.drafter.train(was_training).requires_grad_(True)
+        return result
+
+    def _evaluate_online(self) -> dict:
+        """Held-out τ at T=0 through the online loop on a few prompts of each held-out set."""
         from flashdraft.prompts import load_prompt_set
 
         was_training = self.drafter.training
@@ -214,6 +337,9 @@ class Trainer:
     def train(self) -> dict:
         """Run until ``steps`` or ``max_hours``; checkpoints every few minutes and on SIGTERM."""
         cfg = self.cfg
+        if cfg.bf16 is None:
+            cfg.bf16 = bf16_pays()
+            log.info("bf16 autocast %s (measured against float32 on this CPU)", "on" if cfg.bf16 else "off")
         self.drafter.train().requires_grad_(True)
         gamma = default_gamma(cfg.block_size)
         deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
@@ -228,25 +354,42 @@ class Trainer:
         t_window, rows_window = time.time(), 0
         try:
             while self.step < cfg.steps and time.time() < deadline and not stop["flag"]:
-                if self.order_pos >= len(order):  # new epoch: pick up newly regenerated data
-                    self.epoch, self.order_pos = self.epoch + 1, 0
-                    self.seqs = read_shards(Path(cfg.data_dir))
-                    order = self._order()
-                seq_id, ids, n_prompt = self.seqs[int(order[self.order_pos])]
-                self.order_pos += 1
-                anchors = sample_anchors(n_prompt, ids.shape[0], cfg.blocks_per_step, self.gen)
-                if anchors.numel() == 0:
-                    continue
-                feats = self._features(seq_id, ids)
+                # 1. a step's sequences (a new epoch picks up newly regenerated data)
+                batch = []
+                while len(batch) < cfg.seqs_per_step:
+                    if self.order_pos >= len(order):
+                        self.epoch, self.order_pos = self.epoch + 1, 0
+                        self.seqs = self._read_all()
+                        for entry in self.stores:
+                            if entry is not None:
+                                entry[0].refresh()
+                        order = self._order()
+                    seq_id, ids, n_prompt, d = self.seqs[int(order[self.order_pos])]
+                    self.order_pos += 1
+                    feats, soft = self._sequence(seq_id, ids, d)
+                    # an anchor needs the context rows before it: at most features' length
+                    anchors = sample_anchors(n_prompt, min(ids.shape[0], feats.shape[0] + 1),
+                                             cfg.blocks_per_step, self.gen)
+                    if anchors.numel():
+                        batch.append((ids, anchors, feats, soft))
                 for group in self.opt.param_groups:
                     group["lr"] = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                    loss, c, n = dflash_loss(self.drafter, feats, ids, anchors, self.embed_weight,
-                                             self.head_weight, self.t2d, gamma)
+                # 2. the blocks' loss, averaged over the step's sequences
+                cpu0 = time.process_time()
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                c = n = 0
+                total = 0.0
+                for ids, anchors, feats, soft in batch:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                        loss, c_i, n_i = dflash_loss(self.drafter, feats, ids, anchors, self.embed_weight,
+                                                     self.head_weight, self.t2d, gamma, soft, cfg.soft_weight)
+                    (loss / len(batch)).backward()
+                    total, c, n = total + float(loss.detach()) / len(batch), c + c_i, n + n_i
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
                 self.opt.step()
+                self.cpu_seconds += time.process_time() - cpu0
+                loss = torch.tensor(total)
+                anchors = torch.cat([a for _, a, _, _ in batch])
                 self.step += 1
                 rows = anchors.numel() * B
                 self.tokens_seen += rows
@@ -263,6 +406,7 @@ class Trainer:
                     log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "loss": loss_avg,
                                                "acc": [round(float(a), 4) for a in acc], "tok_s": rate,
                                                "epoch": self.epoch, "sequences": len(self.seqs),
+                                               "cpu_hours": round(self.cpu_seconds / 3600, 4),
                                                "time": time.time()}) + "\n")
                     log_file.flush()
                 if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes:
@@ -280,9 +424,22 @@ class Trainer:
         return {"step": self.step, "tokens_seen": self.tokens_seen, **result}
 
     def _log_eval(self, log_file) -> dict:
+        """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""
+        from flashdraft.drafters.dflash_format import save_specforge
+
         result = self.evaluate()
-        log.info("step %d: held-out %s", self.step, result)
+        taus = [v for k, v in result.items() if k.startswith("tau_")]
+        tau = sum(taus) / len(taus) if taus else 0.0
+        improved = self.best_tau is None or tau > self.best_tau
+        if improved:
+            self.best_tau = tau
+            save_specforge(self.out / "drafter-best", self.drafter.config, self.drafter.state_dict())
+            (self.out / "drafter-best" / "eval.json").write_text(json.dumps(
+                {"step": self.step, "cpu_hours": round(self.cpu_seconds / 3600, 4), **result}) + "\n")
+        log.info("step %d (%.2f CPU-h): held-out %s%s", self.step, self.cpu_seconds / 3600, result,
+                 " (best so far)" if improved else "")
         log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "eval": result,
+                                   "cpu_hours": round(self.cpu_seconds / 3600, 4), "best": improved,
                                    "time": time.time()}) + "\n")
         log_file.flush()
         return result

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flashdraft.drafters.dflash import DFlashDraftModel
+from flashdraft.drafters.dflash import DFlashDraftModel, seed_block
 
 IGNORE = -100
 
@@ -45,12 +45,16 @@ def sample_anchors(n_prompt: int, seq_len: int, n_blocks: int, generator: torch.
     return (lo + pick).sort().values
 
 
-def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 ngram_seeded: bool = False):
     """Inputs, positions and labels of the blocks at ``anchors``.
 
     Args:
         ids: ``[T]`` token ids of prompt + response.
-        anchors: ``[K]`` anchor positions.
+        anchors: ``[K]`` anchor positions (increasing).
+        ngram_seeded: fill each block's mask positions with the prompt-lookup continuation
+            of its anchor from the sequence's own prefix (tokens up to the anchor only), as
+            an n-gram-seeded drafter sees at inference.
     Returns:
         ``(block_ids [K*B], positions [K*B], labels [K*B])``; labels are ``IGNORE`` at each
         block's anchor position and past the end of the sequence.
@@ -59,6 +63,12 @@ def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     positions = (anchors[:, None] + torch.arange(B)[None]).reshape(-1)  # [K*B]
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[::B] = ids[anchors]
+    if ngram_seeded:
+        from flashdraft.drafters.ngram import lookup_candidates
+
+        blocks = block_ids.view(-1, B)
+        for j, cand in enumerate(lookup_candidates(ids.tolist(), anchors.tolist(), B - 1)):
+            seed_block(blocks[j], cand)
     labels = torch.where(positions < T, ids[positions.clamp(max=T - 1)], torch.full_like(positions, IGNORE))
     labels[::B] = IGNORE
     return block_ids, positions, labels
@@ -78,11 +88,13 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -
 
 def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor, t2d: torch.Tensor | None,
-                gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted block cross-entropy for one sequence.
+                gamma: float, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+                soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted block loss for one sequence: hard cross-entropy, soft-label KL, or a mix.
 
     Args:
-        features: ``[T, k*H]`` target context features (layers ``target_layer_ids``).
+        features: ``[T', k*H]`` target context features (layers ``target_layer_ids``) for
+            positions ``0..T'-1``, ``T' >= max(anchors)``.
         ids: ``[T]`` token ids.
         anchors: ``[K]`` anchors (see :func:`sample_anchors`).
         embed_weight: ``[V, H]`` the target's (frozen) embedding table.
@@ -90,33 +102,57 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
             reduced draft vocabulary.
         t2d: ``[V]`` target id -> draft index (-1 outside the draft vocabulary), or None.
         gamma: loss decay.
+        soft: the target's own next-token distributions ``(top_ids [T', k] target ids,
+            top_logp [T', k])``: row t is the distribution of token t+1 (NVIDIA
+            Model-Optimizer's default DFlash objective distils these logits; top-k
+            renormalised over the ids inside the draft vocabulary).
+        soft_weight: share of the soft-label term (0 = hard labels only, 1 = soft only).
     Returns:
         ``(loss, correct [B-1], counted [B-1])``: the scalar loss and, per block position,
         how many labels the drafter's argmax got right out of how many there were.
+
+    All K blocks go through one :meth:`DFlashDraftModel.forward_blocks` (each sees only the
+    context before its anchor and itself).
     """
     B = drafter.block_size
-    block_ids, positions, labels = build_blocks(ids, anchors, B, drafter.mask_token_id)
-    T = ids.shape[0]
+    K = anchors.shape[0]
+    block_ids, positions, labels = build_blocks(ids, anchors, B, drafter.mask_token_id, drafter.ngram_seeded)
+    T = features.shape[0]
     # 1. context K/V from fused features at their own positions (once for all blocks)
-    fused = drafter.fuse(features[None])  # [1, T, H]
+    fused = drafter.fuse(features[None])  # [1, T', H]
     ctx_kv = drafter.context_kv(fused, torch.arange(T)[None])
-    # 2. every block in one forward, isolated by the mask
-    mask = block_attention_mask(anchors, T, B)[None, None]
-    x = F.embedding(block_ids, embed_weight)[None]
-    hidden = drafter(x, positions[None], ctx_kv, mask)[0]  # [K*B, H]
+    # 2. every block in one forward
+    x = F.embedding(block_ids, embed_weight).view(K, B, -1)
+    hidden = drafter.forward_blocks(x, anchors, ctx_kv).reshape(K * B, -1)  # [K*B, H]
     logits = hidden @ head_weight.t()  # [K*B, V_d]
     # 3. labels in draft-vocabulary indices; tokens outside it cannot be predicted
     target = labels if t2d is None else torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
     target = torch.where(target < 0, torch.full_like(target, IGNORE), target)
-    ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")  # [K*B]
+    logp = torch.log_softmax(logits.float(), dim=-1)
     k = torch.arange(block_ids.shape[0]) % B  # block position of every row
-    w = torch.cat([torch.zeros(1), loss_weights(B, gamma)])[k] * (target != IGNORE)
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    valid_row = (labels != IGNORE)
+    loss_rows = torch.zeros(K * B)
+    if soft_weight < 1.0:
+        ce = F.nll_loss(logp, target, ignore_index=IGNORE, reduction="none")  # [K*B]
+        loss_rows = loss_rows + (1.0 - soft_weight) * ce
+    if soft is not None and soft_weight > 0.0:
+        top_ids, top_logp = soft
+        src = (positions - 1).clamp(0, T - 1)  # row p-1 holds the distribution of token p
+        rows_ids, rows_lp = top_ids[src].long(), top_logp[src].float()  # [K*B, k]
+        d_ids = rows_ids if t2d is None else t2d[rows_ids]
+        keep = d_ids >= 0
+        p = torch.where(keep, rows_lp.exp(), torch.zeros_like(rows_lp))
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+        soft_ce = -(p * logp.gather(1, d_ids.clamp(min=0))).sum(-1)  # [K*B]
+        loss_rows = loss_rows + soft_weight * soft_ce * valid_row
+    w = torch.cat([torch.zeros(1), loss_weights(B, gamma)])[k] * valid_row
+    if soft_weight < 1.0:
+        w = w * ((target != IGNORE) | (soft is not None and soft_weight > 0))
+    loss = (loss_rows * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
-        valid = labels != IGNORE
-        hit = (logits.argmax(-1) == target) & valid
+        hit = (logits.argmax(-1) == target) & valid_row
         correct = torch.zeros(B).index_add_(0, k, hit.float())[1:]
-        counted = torch.zeros(B).index_add_(0, k, valid.float())[1:]
+        counted = torch.zeros(B).index_add_(0, k, valid_row.float())[1:]
     return loss, correct, counted
 
 

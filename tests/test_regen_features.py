@@ -1,0 +1,134 @@
+"""Packed regeneration, stored features and the blocks forward (tiny random models)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from flashdraft.drafters.dflash import DFlashDraftModel, drafter_config_for_target
+from flashdraft.fast_forward import BatchKV
+from flashdraft.generate import SpeculativeGenerator, generate_text
+from flashdraft.sampling import SamplingParams
+from flashdraft.train.features import FeatureStore, build_features
+from flashdraft.train.loop import TrainConfig, Trainer, read_shards
+from flashdraft.train.objective import block_attention_mask, build_blocks
+from flashdraft.train.regen import generate_packed, regenerate_packed
+from tiny import tiny_target
+
+PROMPTS = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + j) % 60 + 1}" for j in range(3 + i % 4))}
+           for i in range(7)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_target("llama", seed=4, layers=4)
+    t.tokenizer.chat_template = ("{% for m in messages %}t61 {{ m['content'] }} t62 {% endfor %}"
+                                 "{% if add_generation_prompt %}t63 {% endif %}")
+    return t
+
+
+def test_decode_rows_equals_single_sequence_forward(target):
+    lean = target.lean
+    kv = BatchKV(lean, 3, 64)
+    prompts = [torch.tensor([5, 9, 3, 7]), torch.tensor([11, 2]), torch.tensor([33, 1, 1, 1, 8, 2, 40])]
+    for row, ids in enumerate(prompts):
+        lean.prefill_row(ids, kv, row)
+    logits, feats = lean.decode_rows(torch.tensor([4, 4, 4]), kv, [1, 3])
+    for row, ids in enumerate(prompts):
+        cache = target.new_cache(32)
+        target.set_feature_layers([1, 3])
+        target.forward(ids, cache, ids.shape[0] - 1)
+        want, want_f = target.forward(torch.tensor([4]), cache, 0)
+        torch.testing.assert_close(logits[row], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feats[row], want_f[0], rtol=1e-4, atol=1e-4)
+    target.set_feature_layers(None)
+
+
+def test_packed_greedy_answers_equal_the_plain_loop(target):
+    encoded = [(p["id"], target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])) for p in PROMPTS]
+    # fewer rows than prompts: rows are refilled as answers end (continuous batching)
+    got = {pid: (resp, finish) for pid, resp, finish, _, _ in
+           generate_packed(target, encoded, 20, SamplingParams(), batch_size=3)}
+    gen = SpeculativeGenerator(target)
+    for pid, ids in encoded:
+        _, want, finish, _ = generate_text(gen, ids, 20, SamplingParams())
+        resp, got_finish = got[pid]
+        if finish == "stop":
+            assert got_finish == "eos" and resp == want + [0]
+        else:
+            assert got_finish == "length" and resp == want
+
+
+def test_regeneration_stores_features_and_resumes(tmp_path, target):
+    out = tmp_path / "data"
+    regenerate_packed(out, PROMPTS[:4], target=target, max_new_tokens=12, batch_size=2, layer_ids=[1, 3],
+                      progress=False)
+    regenerate_packed(out, PROMPTS, target=target, max_new_tokens=12, batch_size=2, layer_ids=[1, 3],
+                      progress=False)  # picks up the other three only
+    seqs = read_shards(out)
+    assert sorted(s[0] for s in seqs) == sorted(p["id"] for p in PROMPTS)
+    store = FeatureStore(out)
+    assert len(store) == len(PROMPTS) and store.layer_ids == [1, 3]
+    target.set_feature_layers([1, 3])
+    for sid, ids, n_prompt in seqs:
+        rows = store.get(sid)
+        assert rows.features.shape == (ids.shape[0] - 1, 2 * target.hidden_size)
+        logits, feats = target.forward(ids[:-1], target.new_cache(64), 0)
+        np.testing.assert_allclose(rows.features, feats.numpy(), rtol=2e-2, atol=2e-2)  # fp16 rows
+        # row t holds the distribution of token t+1; greedy answers are its top-1
+        assert rows.topk_ids[n_prompt - 1:, 0].tolist() == ids[n_prompt:].tolist()
+        top = torch.log_softmax(logits, -1).topk(8, -1)
+        assert rows.topk_ids.tolist() == top.indices.tolist()
+    target.set_feature_layers(None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "complete" and manifest["counts"]["done"] == len(PROMPTS)
+    with pytest.raises(ValueError, match="different"):
+        regenerate_packed(out, PROMPTS, target=target, max_new_tokens=13, layer_ids=[1, 3], progress=False)
+
+
+def test_build_features_fills_what_is_missing(tmp_path, target):
+    out = tmp_path / "data"
+    regenerate_packed(out, PROMPTS[:3], target=target, max_new_tokens=8, batch_size=2, layer_ids=(),
+                      progress=False)
+    assert not (out / "features").exists()
+    assert build_features(out, target, [0, 2], progress=False) == 3
+    assert build_features(out, target, [0, 2], progress=False) == 0
+    store = FeatureStore(out)
+    assert len(store) == 3 and store.columns([2]) == list(range(target.hidden_size, 2 * target.hidden_size))
+    with pytest.raises(ValueError, match="not stored"):
+        store.columns([1])
+
+
+def test_forward_blocks_equals_the_dense_mask(target):
+    cfg = drafter_config_for_target(target.config, num_layers=2, block_size=5, mask_token_id=63,
+                                    target_layer_ids=[1, 2])
+    model = DFlashDraftModel(cfg)
+    T = 30
+    feats, ids = torch.randn(T, 2 * target.hidden_size), torch.randint(1, 60, (T + 1,))
+    anchors = torch.tensor([0, 4, 5, 17, 28])
+    block_ids, pos, _ = build_blocks(ids, anchors, 5, 63)
+    ctx = model.context_kv(model.fuse(feats[None]), torch.arange(T)[None])
+    x = target.embed_tokens.weight[block_ids].detach()
+    dense = model(x[None], pos[None], ctx, block_attention_mask(anchors, T, 5)[None, None])[0]
+    blocks = model.forward_blocks(x.view(5, 5, -1), anchors, ctx).reshape(25, -1)
+    torch.testing.assert_close(blocks, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_uses_stored_features_and_soft_labels(tmp_path, target):
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS, target=target, max_new_tokens=16, batch_size=4, layer_ids=[0, 1, 2, 3],
+                      progress=False)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 3],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=6, draft_vocab=0,
+                      mask_token_id=63, soft_weight=0.5, eval_minutes=0, bf16=False)
+    trainer = Trainer(cfg, target=target)
+    assert trainer.stores[0] is not None  # read from disk, not recomputed
+    trainer._features = None  # any fallback to a target forward would now fail
+    result = trainer.train()
+    assert result["step"] == 6 and result["tokens_seen"] > 0
+    assert (tmp_path / "run" / "drafter" / "config.json").exists()
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert all("cpu_hours" in rec for rec in log if "loss" in rec)
