@@ -31,7 +31,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model: .gguf file, HF directory or hub id (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("-md", "--spec-draft-model", default=None,
                    help="drafter: DFlash SpecForge dir/GGUF (or random[:LAYERS]); draft model path (or 'target')")
-    p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram"],
+    p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram", "hybrid"],
                    help="drafting method (default: dflash when a drafter is at hand - -md, or the shipped one "
                         "for the default model - else none)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")

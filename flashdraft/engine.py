@@ -21,7 +21,7 @@ from flashdraft.target import Target, load_hf_model
 
 log = logging.getLogger(__name__)
 
-SPEC_TYPES = ("none", "dflash", "draft", "ngram")
+SPEC_TYPES = ("none", "dflash", "draft", "ngram", "hybrid")
 #: drafter shipped for the packaged default target (trained with ``flashdraft train``)
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-dflash"
 
@@ -32,7 +32,8 @@ class EngineConfig:
 
     Attributes:
         model: target path (GGUF / HF dir / hub id); None = packaged SmolLM2-135M-Instruct.
-        spec_type: one of ``none | dflash | draft | ngram``.
+        spec_type: one of ``none | dflash | draft | ngram | hybrid`` (hybrid: prompt lookup
+            where it has a match and pays, else the DFlash drafter ``draft_model``).
         draft_model: drafter path. ``dflash``: SpecForge dir or GGUF, or ``random[:LAYERS]``
             (an untrained drafter, for plumbing tests). ``draft``: a causal LM sharing the
             target's tokenizer, or ``target`` (the target drafts for itself).
@@ -148,7 +149,7 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         if cfg.model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists():
             path = str(DEFAULT_DRAFTER_DIR)
         else:
-            raise ValueError("--spec-type dflash needs --spec-draft-model PATH (a DFlash drafter trained for "
+            raise ValueError(f"--spec-type {cfg.spec_type} needs --spec-draft-model PATH (a DFlash drafter trained for "
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
     if path.startswith("random"):
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
@@ -156,7 +157,13 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     else:
         model = load_dflash_model(path, cfg.dtype)
     try:
-        return DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
+        drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
+        if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
+            from flashdraft.drafters.hybrid import HybridDrafter
+            from flashdraft.drafters.ngram import NgramDrafter
+
+            return HybridDrafter(drafter, NgramDrafter(cfg.ngram_max, cfg.ngram_min))
+        return drafter
     except ValueError as e:
         if "head_dim" in str(e):
             raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
@@ -174,7 +181,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     """
     cfg.validate()  # refuse bad settings before loading anything
     kv = cfg.kv_spec()
-    if cfg.spec_type != "dflash" and not cfg.kv_spec(draft=True).plain:
+    if cfg.spec_type not in ("dflash", "hybrid") and not cfg.kv_spec(draft=True).plain:
         log.warning("-ctkd/-ctvd apply to the DFlash drafter's cache only; ignored with --spec-type %s",
                     cfg.spec_type)
     if target is None:

@@ -31,7 +31,7 @@ def test_seed_prompts_identical_tokens_for_every_drafter(target, prompt):
     assert base[3].predicted_n > 0
     # the shipped drafter when present, else an untrained one: lossless either way
     dflash = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").exists() else "random"
-    for spec, draft_model in [("ngram", None), ("dflash", dflash)]:
+    for spec, draft_model in [("ngram", None), ("dflash", dflash), ("hybrid", dflash)]:
         drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=draft_model), target)
         out = generate_text(SpeculativeGenerator(target, drafter, n_draft=15), ids, 128, SamplingParams())
         assert out[1] == base[1], spec
@@ -52,7 +52,7 @@ def test_compressed_cache_greedy_speculative_equals_its_baseline(target):
     ids = target.chat_prompt_ids([{"role": "user", "content": SEED_PROMPTS[2]}])
     base = generate_text(SpeculativeGenerator(target, kv=kv), ids, 64, SamplingParams())
     dflash = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").exists() else "random"
-    for spec, draft_model in [("ngram", None), ("dflash", dflash)]:
+    for spec, draft_model in [("ngram", None), ("dflash", dflash), ("hybrid", dflash)]:
         drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=draft_model, cache_type_k_draft=kv.type_k,
                                             cache_type_v_draft=kv.type_v), target)
         out = generate_text(SpeculativeGenerator(target, drafter, n_draft=15, kv=kv), ids, 64, SamplingParams())

@@ -132,3 +132,21 @@ def test_trainer_uses_stored_features_and_soft_labels(tmp_path, target):
     assert (tmp_path / "run" / "drafter" / "config.json").exists()
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert all("cpu_hours" in rec for rec in log if "loss" in rec)
+
+
+def test_gzipped_shards_are_read_and_not_regenerated(tmp_path, target):
+    import gzip
+
+    out = tmp_path / "data"
+    regenerate_packed(out, PROMPTS[:3], target=target, max_new_tokens=6, batch_size=2, layer_ids=(),
+                      progress=False)
+    before = {s[0]: s[1].tolist() for s in read_shards(out)}
+    for shard in out.glob("shard-*.jsonl"):  # how shards are committed
+        with gzip.open(shard.with_suffix(".jsonl.gz"), "wt", encoding="utf-8") as f:
+            f.write(shard.read_text())
+        shard.unlink()
+    regenerate_packed(out, PROMPTS[:4], target=target, max_new_tokens=6, batch_size=2, layer_ids=(),
+                      progress=False)  # only the fourth prompt is new
+    after = {s[0]: s[1].tolist() for s in read_shards(out)}
+    assert {k: after[k] for k in before} == before and len(after) == 4
+    assert len(list(out.glob("shard-*.jsonl"))) == 1  # a new plain shard for the new answer

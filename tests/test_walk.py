@@ -143,3 +143,53 @@ def test_seeded_blocks_use_only_the_prefix():
     future = ids.clone()
     future[8:] = 5
     assert torch.equal(build_blocks(future, anchors, 4, 0, ngram_seeded=True)[0], blocks)
+
+
+def test_hybrid_is_lossless_and_uses_both_sources(target):
+    from flashdraft.drafters.hybrid import HybridDrafter
+
+    model = random_dflash_model(target.model, num_layers=1, block_size=6, mask_token_id=63, seed=2)
+    hybrid = HybridDrafter(DFlashDrafter(model, target.embed_tokens, target.lm_head))
+    base_gen, gen = SpeculativeGenerator(target), SpeculativeGenerator(target, hybrid, n_draft=5)
+    used = {"ngram": 0, "dflash": 0}
+    for prompt in PROMPTS:
+        want = generate_text(base_gen, prompt, MAX_TOKENS, SamplingParams())
+        got = generate_text(gen, prompt, MAX_TOKENS, SamplingParams())
+        assert got[1] == want[1] and got[2] == want[2]
+        for k in used:
+            used[k] += hybrid.steps[k]
+    assert used["ngram"] > 0 and used["dflash"] > 0
+    # a forked copy (a server slot) learns on its own
+    other = hybrid.fork()
+    assert other.dflash is not hybrid.dflash and other.steps == {"ngram": 0, "dflash": 0}
+
+
+def test_hybrid_falls_back_when_lookup_stops_paying(target):
+    from flashdraft.drafters.hybrid import HybridDrafter
+
+    model = random_dflash_model(target.model, num_layers=1, block_size=6, mask_token_id=63, seed=2)
+    hybrid = HybridDrafter(DFlashDrafter(model, target.embed_tokens, target.lm_head), probe_every=4)
+    hybrid.accepted = {"ngram": 0.0, "dflash": 1.0}  # DFlash has been the better source
+    hybrid.dflash.commit(6, target_features(target, torch.tensor([1, 2, 3, 1, 2, 3]), model.target_layer_ids))
+    sources = []
+    for _ in range(10):
+        hybrid.propose(torch.tensor([1, 2, 3, 1, 2, 3, 1]), 5, SamplingParams(), torch.Generator())
+        sources.append(hybrid._pending[0])
+        hybrid._pending = None  # no verify in between: keep the averages fixed
+    assert sources.count("dflash") >= 7 and "ngram" in sources  # mostly DFlash, n-gram probed
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "dflash-draft", "dflash"])
+def test_ngram_seeded_flag_survives_export(tmp_path, target, fmt):
+    from flashdraft.drafters.dflash import load_dflash_model
+    from flashdraft.drafters.dflash_format import save_gguf, save_specforge
+
+    model = random_dflash_model(target.model, num_layers=1, block_size=4, mask_token_id=63)
+    model.config["dflash_config"]["ngram_seeded"] = True
+    if fmt == "specforge":
+        save_specforge(tmp_path / "d", model.config, model.state_dict())
+        loaded = load_dflash_model(tmp_path / "d")
+    else:
+        save_gguf(tmp_path / "d.gguf", model.config, model.state_dict(), arch=fmt)
+        loaded = load_dflash_model(tmp_path / "d.gguf")
+    assert loaded.ngram_seeded and not random_dflash_model(target.model).ngram_seeded

@@ -8,7 +8,7 @@ from flashdraft.bench.measure import Generation
 from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
-ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "hybrid", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup")
 
 DESCRIPTIONS = {
@@ -16,6 +16,7 @@ DESCRIPTIONS = {
     "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
     "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
     "ngram": "flashdraft, prompt-lookup (n-gram) drafter",
+    "hybrid": "flashdraft, prompt lookup where it has a match and pays, else the DFlash drafter",
     "draft": "flashdraft, autoregressive draft model",
     "hf": "transformers generate()",
     "hf-lookup": "transformers generate(prompt_lookup_num_tokens=...)",

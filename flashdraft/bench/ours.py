@@ -15,7 +15,7 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
-OURS = ("none", "dflash", "dflash-adaptive", "ngram", "draft")
+OURS = ("none", "dflash", "dflash-adaptive", "ngram", "hybrid", "draft")
 
 
 def is_ours(name: str) -> bool:
@@ -79,7 +79,7 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
                        kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)
-    if cfg.spec_type == "dflash":
+    if cfg.spec_type in ("dflash", "hybrid"):
         cfg.draft_model = dflash_drafter_path(base.model, base.draft_model)
         if cfg.draft_model is None:
             return Unavailable(name, "ours", "no DFlash drafter for this target: pass -md PATH "

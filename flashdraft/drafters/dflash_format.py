@@ -256,6 +256,8 @@ def _load_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
     }
+    if fields.get("flashdraft.ngram_seeded"):
+        config["dflash_config"]["ngram_seeded"] = True
     config = _normalize_config(config)
     n_features = fields.get("dflash-draft.dflash.n_target_features")
     if n_features is not None and n_features != len(target_layer_ids) * hidden:
@@ -342,6 +344,8 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
     w.add_vocab_size(config["vocab_size"])
     w.add_string("flashdraft.model_type", config["model_type"])
     w.add_uint32("flashdraft.num_target_layers", config["num_target_layers"])
+    if config["dflash_config"].get("ngram_seeded"):  # flashdraft's extension; other engines ignore it
+        w.add_bool("flashdraft.ngram_seeded", True)
     if arch == "dflash-draft":
         w.add_uint32("dflash-draft.dflash.block_size", config["block_size"])
         w.add_uint32("dflash-draft.dflash.mask_token_id", config["dflash_config"]["mask_token_id"])

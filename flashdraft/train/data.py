@@ -460,21 +460,24 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def _shard_index(path: Path) -> int:
-    return int(path.stem.split("-")[1])
+    return int(path.name.split("-")[1].split(".")[0])
 
 
 def scan_shards(out_dir: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
-    """Read existing ``shard-*.jsonl`` files of ``out_dir``.
+    """Read existing ``shard-*.jsonl`` (and committed, gzipped ``shard-*.jsonl.gz``) files of ``out_dir``.
 
     Returns (``{id: {"finish", "n_prompt", "n_response"}}``, next free shard index).
     A line that does not parse (a write cut short by a kill) is dropped; with ``repair``
-    the shard is rewritten without it. Duplicate ids keep their first occurrence.
+    the (plain) shard is rewritten without it. Duplicate ids keep their first occurrence.
     """
+    import gzip
+
     done: dict[str, dict] = {}
-    shards = sorted(out_dir.glob("shard-*.jsonl"), key=_shard_index)
+    shards = sorted(list(out_dir.glob("shard-*.jsonl")) + list(out_dir.glob("shard-*.jsonl.gz")), key=_shard_index)
     for shard in shards:
         good_lines, bad = [], 0
-        with open(shard, encoding="utf-8") as f:
+        gz = shard.suffix == ".gz"
+        with (gzip.open(shard, "rt", encoding="utf-8") if gz else open(shard, encoding="utf-8")) as f:
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -490,7 +493,7 @@ def scan_shards(out_dir: Path, repair: bool = True) -> tuple[dict[str, dict], in
                         "n_prompt": len(rec["prompt_ids"]),
                         "n_response": len(rec["response_ids"]),
                     }
-        if bad and repair:
+        if bad and repair and not gz:
             log.warning("%s: dropping %d unreadable line(s) left by an interrupted write", shard, bad)
             tmp = shard.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(good_lines), encoding="utf-8")

@@ -200,7 +200,9 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
                 "versions": {"torch": torch.__version__}, "counts": dict(counts),
                 "updated_unix": round(time.time(), 1)}
 
-    if not todo:
+    if not todo:  # nothing to add: the manifest of the run that wrote the shards stands
+        if manifest_path.exists():
+            return json.loads(manifest_path.read_text(encoding="utf-8"))
         m = manifest("complete")
         _write_json_atomic(manifest_path, m)
         return m

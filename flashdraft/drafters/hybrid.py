@@ -1,0 +1,83 @@
+"""``--spec-type hybrid``: per step, the prompt-lookup continuation or the DFlash drafter's block.
+
+Prompt lookup (:class:`~flashdraft.drafters.ngram.NgramDrafter`) costs nothing and is often
+right where the answer repeats its context; the DFlash drafter costs one small forward and
+proposes everywhere. Each step the hybrid takes the n-gram continuation when there is one
+and n-gram drafts have recently been accepted at least as well as DFlash drafts, else the
+DFlash block. "Recently" is an exponential average of accepted drafts per step, kept per
+source and learned from what each verify accepted (the length of the next :meth:`commit`);
+an n-gram candidate is still tried every ``probe_every`` steps so its average can recover.
+The choice only decides *which* tokens are verified, so output stays the target's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.drafters.base import Draft, Drafter
+from flashdraft.drafters.dflash import DFlashDrafter
+from flashdraft.drafters.ngram import NgramDrafter
+from flashdraft.sampling import SamplingParams
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup where it pays, the DFlash drafter elsewhere.
+
+    Args:
+        dflash: the DFlash drafter (its context cache is kept current every step).
+        ngram: the prompt-lookup drafter.
+        decay: weight of the past in the per-source averages of accepted drafts per step.
+    Attributes:
+        accepted: per source ("ngram", "dflash"), the running average of accepted drafts per
+            step it drafted (starts equal, so n-gram candidates are tried first: they are free).
+        steps: per source, how many steps it drafted in this sequence.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, dflash: DFlashDrafter, ngram: NgramDrafter | None = None, decay: float = 0.8,
+                 probe_every: int = 8):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.dflash, self.ngram, self.decay = dflash, ngram or NgramDrafter(), decay
+        self.probe_every = probe_every
+        self.feature_layer_ids = dflash.feature_layer_ids
+        self.max_draft = dflash.max_draft
+        self.reset()
+
+    def reset(self) -> None:
+        self.dflash.reset()
+        self.ngram.reset()
+        self.accepted = {"ngram": 0.0, "dflash": 0.0}
+        self.steps = {"ngram": 0, "dflash": 0}
+        self._pending: tuple[str, int] | None = None  # (source, anchor position) of the last draft
+        self._since_ngram = 0  # steps with an n-gram candidate that went to DFlash
+
+    def fork(self) -> "HybridDrafter":
+        return HybridDrafter(self.dflash.fork(), NgramDrafter(self.ngram.max_ngram, self.ngram.min_ngram),
+                             self.decay, self.probe_every)
+
+    def commit(self, n_context: int, features: torch.Tensor | None) -> None:
+        if self._pending is not None:  # what the last verify kept of that source's drafts
+            source, anchor = self._pending
+            n_acc = max(0, n_context - anchor - 1)
+            self.accepted[source] = self.decay * self.accepted[source] + (1 - self.decay) * n_acc
+            self._pending = None
+        self.dflash.commit(n_context, features)
+
+    def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
+                generator: torch.Generator) -> Draft:
+        n = min(n, self.max_draft)
+        if n <= 0:
+            return Draft.empty()
+        lookup = self.ngram.propose(tokens, n, params, generator)
+        probe = self._since_ngram >= self.probe_every
+        if lookup.tokens.numel() and (self.accepted["ngram"] >= self.accepted["dflash"] or probe):
+            source, draft = "ngram", lookup
+            self._since_ngram = 0
+        else:
+            self._since_ngram += int(lookup.tokens.numel() > 0)
+            source, draft = "dflash", self.dflash.propose(tokens, n, params, generator)
+        self.steps[source] += 1
+        self._pending = (source, tokens.shape[0] - 1)
+        return draft
