@@ -44,10 +44,11 @@ def main() -> None:
     gen = SpeculativeGenerator(target, drafter, n_draft=n_draft)
     rows = []
     for sid, ids, n_prompt, feats in answers:
-        online = AcceptanceStats()
-        _run_one(gen, ids[:n_prompt].tolist(), args.max_tokens, SamplingParams(), False, online)
         baseline = list(SpeculativeGenerator(target).generate(ids[:n_prompt].tolist(), args.max_tokens,
                                                               SamplingParams()))
+        target.set_feature_layers(drafter.feature_layer_ids)  # the baseline generator cleared them
+        online = AcceptanceStats()
+        _run_one(gen, ids[:n_prompt].tolist(), args.max_tokens, SamplingParams(), False, online)
         plain = [t for step in baseline for t in step.token_ids]
         stored = ids[n_prompt:].tolist()
         same_answer = plain == [t for t in stored if t not in target.eos_token_ids][:len(plain)]
