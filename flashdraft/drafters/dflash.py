@@ -443,10 +443,10 @@ class DFlashDrafter(Drafter):
         block = torch.full((n + 1,), self.model.mask_token_id, dtype=torch.long)
         block[0] = tokens[-1]
         if self.model.ngram_seeded:  # start the mask positions from the prompt-lookup continuation
-            from flashdraft.drafters.ngram import lookup_candidates
+            from flashdraft.drafters.ngram import NgramDrafter
 
-            seq = tokens.tolist()
-            seed_block(block, lookup_candidates(seq, [len(seq) - 1], n)[0])
+            # one anchor: the right-to-left scan stops at the first match (no per-step index build)
+            seed_block(block, NgramDrafter().propose(tokens, n, params, generator).tokens.tolist())
         x = self.embed_tokens(block)[None].to(self.model.fc.weight.dtype)  # [1, n+1, H]
         positions = torch.arange(anchor_pos, anchor_pos + n + 1)[None]
         # 2. one bidirectional forward over [context | block]; block K/V are not kept
