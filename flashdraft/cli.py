@@ -20,9 +20,10 @@ COMMANDS = {
 }
 
 
-WEIGHTS_CHOICES = ("fp32", "bf16")
-WEIGHTS_HELP = ("target weight dtype (default: fp32); bf16 halves the bytes a decode step reads but is "
-                "fast only on a CPU with AVX512-BF16 or AMX (slower than fp32 elsewhere)")
+WEIGHTS_CHOICES = ("fp32", "bf16", "q4")
+WEIGHTS_HELP = ("target weights (default: fp32); bf16 halves the bytes a decode step reads but is "
+                "fast only on a CPU with AVX512-BF16 or AMX (slower than fp32 elsewhere); q4 runs a GGUF's "
+                "Q4_0/Q4_1 projections on the int4 kernel, bf16 activations (docs/performance.md)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -49,8 +49,9 @@ class EngineConfig:
         cache_type_k_draft / cache_type_v_draft: the DFlash drafter's context cache types.
         kv_sink_tokens / kv_tail_tokens: first / most recent positions kept exact in
             compressed caches (``--kv-sink-tokens``, ``--kv-tail-tokens``).
-        weights: target weight dtype, ``fp32`` or ``bf16`` (``--weights``); bf16 halves the bytes
-            a decode step reads but is fast only on CPUs with AVX512-BF16/AMX. Greedy
+        weights: target weights, ``fp32``, ``bf16`` or ``q4`` (``--weights``); bf16 halves the
+            bytes a decode step reads but is fast only on CPUs with AVX512-BF16/AMX; q4 runs a
+            GGUF's Q4_0/Q4_1 projections on the int4 kernel (:mod:`flashdraft.quant`). Greedy
             speculative output equals the greedy baseline under the same weights.
     """
 

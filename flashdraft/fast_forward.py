@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from flashdraft.cache import StaticKVCache
 from flashdraft.kv_cache import KVCacheSpec, QuantizedKVCache
+from flashdraft.quant import Int4Linear, Int8Linear, Q4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 #: RoPE types with a fixed inverse-frequency vector; "dynamic"/"longrope" rescale per length
@@ -74,6 +75,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
+#: q4: blocks of more rows (a prefill) run on the float32 weights instead: the int4 kernel's
+#: cost grows ~linearly with the rows on an AVX2 CPU, float32 gemm's does not. Losslessness
+#: needs only verify blocks (at most n_draft + 1 rows) to match one-token steps, and both
+#: the baseline and speculative decoding prefill the same way.
+QUANT_MAX_ROWS = 128
+
+
 class _Projections:
     """Several linear projections of the same input, ``x [T, K] -> tuple of [T, N_j]``.
 
@@ -85,11 +93,17 @@ class _Projections:
     nothing, so fp32 stays unpacked.
     """
 
-    def __init__(self, modules: list, pack: bool):
+    def __init__(self, modules: list, pack: bool, q4: dict | None = None, int8: bool = False):
         self.modules = modules
         self.sizes = [int(m.weight.shape[0]) for m in modules]
-        self.packed = self.bias = None
-        if pack:
+        self.packed = self.bias = self.kernel = None
+        no_bias = all(m.bias is None for m in modules)
+        if q4 and no_bias and all(id(m) in q4 for m in modules):
+            # the GGUF's own 4-bit codes (flashdraft.quant): one int4 kernel call per group
+            self.kernel = Int4Linear(Q4Weight.cat([q4[id(m)] for m in modules]))
+        elif int8 and no_bias:  # q4's LM head (flashdraft.quant.Int8Linear)
+            self.kernel = Int8Linear(torch.cat([m.weight.detach() for m in modules]))
+        elif pack:
             w = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
             if any(m.bias is not None for m in modules):
@@ -97,6 +111,9 @@ class _Projections:
                                        for m, n in zip(modules, self.sizes)])
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.kernel is not None and x.shape[0] <= QUANT_MAX_ROWS:
+            y = self.kernel(x)
+            return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
         if self.packed is None:
             return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
         if x.shape[0] == 1:
@@ -141,11 +158,14 @@ class LeanForward:
         attn_dtype: dtype of the attention arithmetic; None = float32 for float32 weights,
             float64 otherwise (what keeps bf16 speculative decoding token-identical to the
             bf16 baseline; float32 is faster but only nearly identical).
+        q4: ``{module name: Q4Weight}`` from :func:`flashdraft.quant.read_q4`: those
+            projections run on the int4 kernel (``--weights q4``); the others as above.
     Raises:
         ValueError: the model is not supported (with the reason).
     """
 
-    def __init__(self, model, pack: bool | None = None, attn_dtype: torch.dtype | None = None):
+    def __init__(self, model, pack: bool | None = None, attn_dtype: torch.dtype | None = None,
+                 q4: dict | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"lean forward does not support this model: {reason}")
@@ -172,13 +192,19 @@ class LeanForward:
         # roundings downstream (greedy speculative output drifted from the baseline on a
         # real prompt); in float64 (where q.k of bf16 vectors is even exact) it practically
         # never does. Costs ~2x attention time; docs/performance.md has the numbers.
-        self.attn_dtype = attn_dtype or (torch.float32 if dtype == torch.float32 else torch.float64)
+        # q4 too: its kernels round their inputs to bf16, which would turn the same ~1e-7
+        # float32 noise into different rows of a verify block and a one-token step
+        self.attn_dtype = attn_dtype or (torch.float32 if dtype == torch.float32 and not q4 else torch.float64)
+        self.q4 = bool(q4)
+        q4 = {id(m): q4[name] for name, m in model.named_modules() if name in q4} if q4 else None
         # per layer: (q, k, v) projections, o_proj, (gate, up), down
-        self.proj = [(_Projections([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], self.pack),
-                      _Projections([l.self_attn.o_proj], self.pack),
-                      _Projections([l.mlp.gate_proj, l.mlp.up_proj], self.pack),
-                      _Projections([l.mlp.down_proj], self.pack)) for l in self.layers]
-        self.lm_head = _Projections([model.get_output_embeddings()], self.pack)
+        self.proj = [(_Projections([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], self.pack, q4),
+                      _Projections([l.self_attn.o_proj], self.pack, q4),
+                      _Projections([l.mlp.gate_proj, l.mlp.up_proj], self.pack, q4),
+                      _Projections([l.mlp.down_proj], self.pack, q4)) for l in self.layers]
+        # q4: the LM head on the int8 kernel, whose rows (like the int4 kernel's) do not depend
+        # on the block size, so a verify block's logits equal one-token steps bit for bit
+        self.lm_head = _Projections([model.get_output_embeddings()], self.pack, q4, int8=self.q4)
         # RoPE: transformers already computed the (possibly scaled) inverse frequencies and
         # the attention scaling for this config; reuse them so every supported rope_type
         # is handled the same way it is there.
@@ -356,6 +382,25 @@ class LeanForward:
             return [self.forward(t, cache, lf, feature_layer_ids) for t, cache, lf in items]
         if len({id(cache) for _, cache, _ in items}) != len(items):
             raise ValueError("forward_packed: each item needs its own cache")
+        if self.q4 and sum(int(t.shape[0]) for t, _, _ in items) > QUANT_MAX_ROWS:
+            # q4: keep every short block on the int4 kernel (QUANT_MAX_ROWS): long items
+            # alone, the short ones in packs of at most QUANT_MAX_ROWS rows
+            out: list = [None] * len(items)
+            pack, rows = [], 0
+            for j, (t, cache, lf) in enumerate(items + [(None, None, 0)]):
+                n = 0 if t is None else int(t.shape[0])
+                if pack and (t is None or rows + n > QUANT_MAX_ROWS):
+                    for k, res in zip(pack, self.forward_packed([items[k] for k in pack], feature_layer_ids)):
+                        out[k] = res
+                    pack, rows = [], 0
+                if t is None:
+                    break
+                if n > QUANT_MAX_ROWS:
+                    out[j] = self.forward(t, cache, lf, feature_layer_ids)
+                else:
+                    pack.append(j)
+                    rows += n
+            return out
         spans = []  # per item: (first row, T, L, S, causal, bias)
         row = 0
         for token_ids, cache, _ in items:

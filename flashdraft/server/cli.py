@@ -207,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
     server: uvicorn.Server | None = None
 
     def load():
-        log.info("loading target %s with --spec-type %s ...", cfg.model or "(packaged SmolLM2-135M-Instruct)",
-                 cfg.spec_type)
+        log.info("loading target %s with --spec-type %s, --weights %s, %d thread(s) ...",
+                 cfg.model or "(packaged SmolLM2-135M-Instruct)", cfg.spec_type, cfg.weights, torch.get_num_threads())
         return load_engine(cfg)
 
     def on_load_failed(e: BaseException) -> None:
