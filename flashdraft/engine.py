@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.adaptive import make_controller
+from flashdraft.fast_forward import QUANT_MAX_ROWS
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
@@ -88,6 +89,9 @@ class EngineConfig:
         make_controller(self.controller, 1)
         self.kv_spec()
         self.kv_spec(draft=True)
+        if self.weights == "q4" and self.spec_type != "none" and self.n_draft >= QUANT_MAX_ROWS:
+            raise ValueError(f"--weights q4 keeps verify blocks bit-identical to one-token steps up to "
+                             f"{QUANT_MAX_ROWS} rows: use --spec-draft-n-max < {QUANT_MAX_ROWS}")
         if self.kv_tail_tokens and self.n_draft >= ROLLBACK_MARGIN:
             raise ValueError(f"--kv-tail-tokens keeps exact copies for rollbacks of < {ROLLBACK_MARGIN} positions: "
                              f"use --spec-draft-n-max < {ROLLBACK_MARGIN}")
@@ -191,7 +195,8 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     controller = None
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
         n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
-        controller = make_controller(cfg.controller, n_max)
+        sources = ("ngram", "dflash") if cfg.spec_type == "hybrid" else ()
+        controller = make_controller(cfg.controller, n_max, sources)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,
                                kv=kv)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from flashdraft.adaptive import ProfitController
+from flashdraft.adaptive import ProfitController, SourcedController
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
@@ -229,6 +229,7 @@ class Sequence:
         self._drafts = torch.empty(0, dtype=torch.long)
         self._depth = self._standing = 0
         self._t0 = self._t1 = 0.0
+        self._ctrl = None  # the controller that chose this step's depth (per source for a hybrid)
 
     @property
     def done(self) -> bool:
@@ -289,8 +290,8 @@ class Sequence:
         new = drafts[:n_acc].tolist() + [bonus]
         self.tokens = torch.cat([self.tokens, torch.tensor(new)])
         self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
-        if self.controller is not None:  # what this depth cost: draft + verify + rollback [s]
-            self.controller.update(n, n_acc, time.perf_counter() - self._t0)
+        if self._ctrl is not None:  # what this depth cost: draft + verify + rollback [s]
+            self._ctrl.update(n, n_acc, time.perf_counter() - self._t0)
 
         # 5. stops; count only what is returned
         finish, kept = _emit(self.stream, new, self.eos, self.max_tokens, t)
@@ -318,8 +319,12 @@ class Sequence:
         cap = n_draft if self.drafter.max_draft is None else min(n_draft, self.drafter.max_draft)
         if self.controller is None:
             return cap, cap
-        depth = min(cap, self.controller.choose())  # choose() first: it may move the standing depth
-        return depth, min(cap, self.controller.depth)
+        ctrl = self.controller
+        if isinstance(ctrl, SourcedController):  # a mixed-source drafter: that source's estimates
+            ctrl = ctrl.for_source(self.drafter.next_source(self.tokens))
+        self._ctrl = ctrl
+        depth = min(cap, ctrl.choose())  # choose() first: it may move the standing depth
+        return depth, min(cap, ctrl.depth)
 
 
 def _count_positions(t: Timings, n: int, n_acc: int) -> None:

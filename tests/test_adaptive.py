@@ -293,3 +293,27 @@ def test_flags_and_metrics_gauge():
     text = m.render().decode()
     assert "flashdraft_spec_draft_depth 3.0" in text
     assert "flashdraft_spec_draft_depth_mean 2.3333" in text
+
+
+def test_hybrid_keeps_one_controller_per_source():
+    """A DFlash drafter that is always wrong must not turn off prompt lookup's drafts: with
+    one controller per source the n-gram drafts keep coming and keep being accepted."""
+    from flashdraft.adaptive import SourcedController, make_controller
+    from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
+    from flashdraft.drafters.hybrid import HybridDrafter
+
+    target = tiny_target("llama", seed=3)
+    prompt = [5, 9, 3, 7] * 12  # prompt lookup has matches everywhere
+    base = generate_text(SpeculativeGenerator(target), prompt, 60, GREEDY, ignore_eos=True)[1]
+    ctl = make_controller("profit", 6, ("ngram", "dflash"))
+    assert isinstance(ctl, SourcedController) and set(ctl.controllers) == {"ngram", "dflash"}
+    dflash = DFlashDrafter(random_dflash_model(target.model, num_layers=1, block_size=8), target.embed_tokens,
+                           target.lm_head)
+    hybrid = HybridDrafter(dflash)
+    gen = SpeculativeGenerator(target, hybrid, n_draft=6, controller=ctl)
+    _, ids, _, t = generate_text(gen, prompt, 60, GREEDY, ignore_eos=True)
+    assert ids == base
+    assert ctl.controllers["ngram"].steps > 0 and ctl.controllers["dflash"].steps + ctl.controllers["ngram"].steps \
+        == t.n_steps - 1
+    assert t.draft_n_accepted > 0
+    assert type(make_controller("profit", 6)) is ProfitController and make_controller("off", 6, ("a", "b")) is None

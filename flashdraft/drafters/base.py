@@ -69,6 +69,16 @@ class Drafter:
                 (``n_context-m..n_context-1``), or None when not requested.
         """
 
+    def next_source(self, tokens: torch.Tensor) -> str | None:
+        """Which of its sources this drafter will draft from after ``tokens``, for drafters
+        that mix sources of different acceptance and cost (the hybrid); None = one source.
+
+        The depth controller keeps separate estimates per source
+        (:class:`~flashdraft.adaptive.SourcedController`), so one source's failures do not
+        turn off another's drafts.
+        """
+        return None
+
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
         """Propose up to ``n`` tokens following ``tokens`` (``[L]`` committed ids)."""

@@ -7,6 +7,9 @@ and n-gram drafts have recently been accepted at least as well as DFlash drafts,
 DFlash block. "Recently" is an exponential average of accepted drafts per step, kept per
 source and learned from what each verify accepted (the length of the next :meth:`commit`);
 an n-gram candidate is still tried every ``probe_every`` steps so its average can recover.
+The choice is made before the step's depth (:meth:`HybridDrafter.next_source`), so the
+depth controller can keep one set of estimates per source: DFlash failing early in an
+answer must not turn off n-gram drafts that would be accepted later, and the other way round.
 The choice only decides *which* tokens are verified, so output stays the target's own.
 """
 
@@ -52,6 +55,7 @@ class HybridDrafter(Drafter):
         self.steps = {"ngram": 0, "dflash": 0}
         self._pending: tuple[str, int] | None = None  # (source, anchor position) of the last draft
         self._since_ngram = 0  # steps with an n-gram candidate that went to DFlash
+        self._choice: tuple[int, str, Draft] | None = None  # (length of tokens, source, n-gram draft)
 
     def fork(self) -> "HybridDrafter":
         return HybridDrafter(self.dflash.fork(), NgramDrafter(self.ngram.max_ngram, self.ngram.min_ngram),
@@ -65,19 +69,31 @@ class HybridDrafter(Drafter):
             self._pending = None
         self.dflash.commit(n_context, features)
 
+    def next_source(self, tokens: torch.Tensor) -> str:
+        """``"ngram"`` or ``"dflash"``: the source of the next draft after ``tokens`` (kept
+        for :meth:`propose`; a step that drafts nothing leaves the probe counter unchanged)."""
+        lookup = self.ngram.propose(tokens, self.max_draft or 16, SamplingParams(), None)
+        probe = self._since_ngram >= self.probe_every
+        matched = lookup.tokens.numel() > 0
+        source = "ngram" if matched and (self.accepted["ngram"] >= self.accepted["dflash"] or probe) else "dflash"
+        self._choice = (tokens.shape[0], source, lookup)
+        return source
+
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
         n = min(n, self.max_draft)
         if n <= 0:
             return Draft.empty()
-        lookup = self.ngram.propose(tokens, n, params, generator)
-        probe = self._since_ngram >= self.probe_every
-        if lookup.tokens.numel() and (self.accepted["ngram"] >= self.accepted["dflash"] or probe):
-            source, draft = "ngram", lookup
+        if self._choice is None or self._choice[0] != tokens.shape[0]:
+            self.next_source(tokens)
+        _, source, lookup = self._choice
+        self._choice = None
+        if source == "ngram":
+            draft = Draft(lookup.tokens[:n], None if lookup.probs is None else lookup.probs[:n])
             self._since_ngram = 0
         else:
             self._since_ngram += int(lookup.tokens.numel() > 0)
-            source, draft = "dflash", self.dflash.propose(tokens, n, params, generator)
+            draft = self.dflash.propose(tokens, n, params, generator)
         self.steps[source] += 1
         self._pending = (source, tokens.shape[0] - 1)
         return draft
