@@ -70,8 +70,10 @@ class Timings:
 
     @property
     def acceptance_length(self) -> float:
-        """τ: mean tokens produced per verify step (accepted drafts + bonus)."""
-        return self.predicted_n / self.n_steps if self.n_steps else 0.0
+        """τ: mean tokens produced per verify step (accepted drafts + bonus). The prefill's
+        first token is not a verify step and counts in neither sum, so plain decoding reads
+        exactly 1.0; 0.0 before the first verify step."""
+        return (self.predicted_n - 1) / (self.n_steps - 1) if self.n_steps > 1 else 0.0
 
     @property
     def draft_depth(self) -> float:

@@ -47,8 +47,10 @@ def test_identity_drafter_accepts_everything():
     _, ids, finish, t = generate_text(gen, PROMPT, 33, GREEDY, ignore_eos=True)
     assert ids == base and finish == "length"
     assert t.draft_n == t.draft_n_accepted > 0
-    assert t.acceptance_length == pytest.approx(33 / t.n_steps)
     assert t.n_steps == 1 + 7  # first token, 6 blocks of 4 drafts + bonus, then 1 draft + bonus
+    assert t.acceptance_length == pytest.approx(32 / 7)  # verify steps only
+    plain = generate_text(SpeculativeGenerator(target), PROMPT, 33, GREEDY, ignore_eos=True)[3]
+    assert plain.acceptance_length == 1.0
 
 
 def test_target_cache_rollback_matches_fresh_forward():

@@ -255,6 +255,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return req, meta_model
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions", include_in_schema=False)  # llama-server registers both
     @counted("chat")
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (``stream`` supported; ``n`` must be 1)."""
@@ -271,6 +272,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(R.chat_response(meta, c, timings_of(c)))
 
     @app.post("/v1/completions")
+    @app.post("/completions", include_in_schema=False)
     @counted("completions")
     async def completions(request: Request) -> Response:
         """OpenAI text completions: one prompt (string or token ids)."""

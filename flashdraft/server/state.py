@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
@@ -150,21 +149,10 @@ class ServerState:
             raise APIError(503, str(e), type="unavailable_error", code="server_shutting_down") from None
 
     # -- request checks --------------------------------------------------------------
-    def model_names(self) -> set[str]:
-        """Names a request's ``model`` may use: id, alias, ``-m`` path, its file name and stem."""
-        names = {self.model_id, self.generator.target.name if self.generator else ""}
-        if self.settings.alias:
-            names.add(self.settings.alias)
-        if self.settings.model_path:
-            p = Path(self.settings.model_path)
-            names |= {self.settings.model_path, p.name, p.stem}
-        return {n for n in names if n}
-
     def check_model(self, requested: str | None) -> str:
-        """The model id to report; raises APIError 404 ``model_not_found`` for another name."""
-        if requested and requested not in self.model_names():
-            raise APIError(404, f"The model `{requested}` does not exist. This server serves "
-                                f"`{self.model_id}`.", param="model", code="model_not_found")
+        """The model id to report. Any requested name is accepted: llama-server serving one
+        model ignores the field, and tools written for it send names of their own (the seed
+        guide's script sends ``"local-gemma"``). ``/v1/models`` still names the alias."""
         return self.model_id
 
     def note_ignored(self, fields: dict | None) -> None:

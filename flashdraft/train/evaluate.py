@@ -6,8 +6,8 @@ Glossary (DESIGN.md §1; vLLM spec_decode metrics conventions):
   a verify step and is left out of τ and the histogram.
 - τ (``tau``): tokens returned by verify steps / verify steps, bonus included (paper
   convention; a drafter that is never right gives 1.0), over the steps in the histogram,
-  so τ is the histogram's mean. Note: ``Timings.acceptance_length`` in the server's
-  timings counts the prefill token as a step, so it reads a little lower.
+  so τ is the histogram's mean (``Timings.acceptance_length`` in the server's timings
+  counts the same way).
 - ``tau_drafted``: 1 + accepted drafts / verify steps that carried a draft (vLLM's
   "mean acceptance length"); differs from τ when the drafter sometimes proposes nothing
   (n-gram misses, the last step before ``max_tokens``).
