@@ -24,7 +24,7 @@ class APIError(Exception):
         message: human-readable text; says what was wrong and, where it helps, the numbers.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``...).
         param: the request field at fault, dotted (``messages.0.role``), or None.
-        code: machine-readable code (``model_not_found``, ``context_length_exceeded``...).
+        code: machine-readable code (``context_length_exceeded``, ``model_loading``...).
         extra: more fields for the error object (llama-server adds ``n_prompt_tokens``...).
     """
 
