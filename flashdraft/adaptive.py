@@ -303,7 +303,7 @@ class SourcedController:
 
     Usage: as a ProfitController, with :meth:`for_source` picking the one to ask::
 
-        c = controller.for_source(drafter.next_source(tokens))
+        c = controller.for_source(drafter.next_source(tokens, controller.pick))
         d = c.choose(); ...; c.update(n_drafted, n_accepted, seconds)
     """
 
@@ -315,6 +315,21 @@ class SourcedController:
         self.n_max = n_max
         self.controllers = {s: ProfitController(n_max, **kw) for s in sources}
         self._last = self.controllers[sources[0]]
+
+    def pick(self, candidates: tuple[str, ...]) -> str:
+        """The candidate source whose best depth gains most over plain decoding,
+        ``max_d v(d) / v(0)`` by its own controller (each measures its own plain-step cost, so
+        the ratio leaves out the noise between two cost estimates); one without step times
+        yet is tried first."""
+        best, best_gain = candidates[0], -1.0
+        for source in candidates:
+            speeds = self.controllers[source].speeds()
+            if speeds is None:
+                return source
+            gain = max(speeds) / speeds[0]
+            if gain > best_gain:
+                best, best_gain = source, gain
+        return best
 
     def for_source(self, source: str | None) -> ProfitController:
         """The controller of ``source`` (the first source's for None). Raises KeyError for an unknown one."""

@@ -323,7 +323,7 @@ class Sequence:
             return cap, cap
         ctrl = self.controller
         if isinstance(ctrl, SourcedController):  # a mixed-source drafter: that source's estimates
-            ctrl = ctrl.for_source(self.drafter.next_source(self.tokens))
+            ctrl = ctrl.for_source(self.drafter.next_source(self.tokens, ctrl.pick))
         self._ctrl = ctrl
         depth = min(cap, ctrl.choose())  # choose() first: it may move the standing depth
         return depth, min(cap, ctrl.depth)

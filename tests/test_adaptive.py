@@ -317,3 +317,17 @@ def test_hybrid_keeps_one_controller_per_source():
         == t.n_steps - 1
     assert t.draft_n_accepted > 0
     assert type(make_controller("profit", 6)) is ProfitController and make_controller("off", 6, ("a", "b")) is None
+
+
+def test_sourced_controller_picks_the_source_that_gains_most():
+    from flashdraft.adaptive import SourcedController
+
+    c = SourcedController(4, ("ngram", "dflash"))
+    assert c.pick(("ngram", "dflash")) == "ngram"  # no step times yet: try it
+    for source, accepted in (("ngram", 4), ("dflash", 0)):
+        ctl = c.for_source(source)
+        for i in range(40):
+            d = ctl.choose()
+            ctl.update(d, min(d, accepted), 0.010 + 0.002 * d)
+    assert c.pick(("ngram", "dflash")) == "ngram" and c.pick(("dflash", "ngram")) == "ngram"
+    assert c.controllers["dflash"].depth == 0 and c.controllers["ngram"].depth > 0

@@ -69,13 +69,17 @@ class Drafter:
                 (``n_context-m..n_context-1``), or None when not requested.
         """
 
-    def next_source(self, tokens: torch.Tensor) -> str | None:
+    def next_source(self, tokens: torch.Tensor, pick=None) -> str | None:
         """Which of its sources this drafter will draft from after ``tokens``, for drafters
         that mix sources of different acceptance and cost (the hybrid); None = one source.
 
-        The depth controller keeps separate estimates per source
-        (:class:`~flashdraft.adaptive.SourcedController`), so one source's failures do not
-        turn off another's drafts.
+        Args:
+            pick: ``pick(candidates) -> source``, the depth controller's choice among the
+                sources that can draft this step (by expected tokens per second,
+                :meth:`~flashdraft.adaptive.SourcedController.pick`); None = the drafter's own rule.
+
+        The depth controller keeps separate estimates per source, so one source's failures
+        do not turn off another's drafts.
         """
         return None
 

@@ -69,13 +69,22 @@ class HybridDrafter(Drafter):
             self._pending = None
         self.dflash.commit(n_context, features)
 
-    def next_source(self, tokens: torch.Tensor) -> str:
+    def next_source(self, tokens: torch.Tensor, pick=None) -> str:
         """``"ngram"`` or ``"dflash"``: the source of the next draft after ``tokens`` (kept
-        for :meth:`propose`; a step that drafts nothing leaves the probe counter unchanged)."""
+        for :meth:`propose`). With a match, ``pick`` (the depth controller's comparison of
+        the two sources' expected tokens per second) decides, else the running averages of
+        accepted drafts; every ``probe_every`` matched steps that went to DFlash, prompt
+        lookup is tried anyway so its estimates stay current."""
         lookup = self.ngram.propose(tokens, self.max_draft or 16, SamplingParams(), None)
         probe = self._since_ngram >= self.probe_every
-        matched = lookup.tokens.numel() > 0
-        source = "ngram" if matched and (self.accepted["ngram"] >= self.accepted["dflash"] or probe) else "dflash"
+        if not lookup.tokens.numel():
+            source = "dflash"
+        elif probe:
+            source = "ngram"
+        elif pick is not None:
+            source = pick(("ngram", "dflash"))
+        else:
+            source = "ngram" if self.accepted["ngram"] >= self.accepted["dflash"] else "dflash"
         self._choice = (tokens.shape[0], source, lookup)
         return source
 
