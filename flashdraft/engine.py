@@ -195,7 +195,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     controller = None
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
         n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
-        sources = ("ngram", "dflash") if cfg.spec_type == "hybrid" else ()
+        sources = getattr(drafter, "SOURCES", ())  # a mixed-source drafter: one controller per source
         controller = make_controller(cfg.controller, n_max, sources)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,

@@ -69,8 +69,12 @@ class HybridDrafter(Drafter):
             self._pending = None
         self.dflash.commit(n_context, features)
 
+    #: sources with their own depth-controller estimates (``dflash-matched``: DFlash on a step
+    #: where prompt lookup had a match)
+    SOURCES = ("ngram", "dflash", "dflash-matched")
+
     def next_source(self, tokens: torch.Tensor, pick=None) -> str:
-        """``"ngram"`` or ``"dflash"``: the source of the next draft after ``tokens`` (kept
+        """``"ngram"``, ``"dflash"`` or ``"dflash-matched"``: the source of the next draft after ``tokens`` (kept
         for :meth:`propose`). With a match, ``pick`` (the depth controller's comparison of
         the two sources' expected tokens per second) decides, else the running averages of
         accepted drafts; every ``probe_every`` matched steps that went to DFlash, prompt
@@ -82,7 +86,10 @@ class HybridDrafter(Drafter):
         elif probe:
             source = "ngram"
         elif pick is not None:
-            source = pick(("ngram", "dflash"))
+            # DFlash where prompt lookup has a match is another source than DFlash elsewhere
+            # (a seeded drafter starts from that match): compare it with prompt lookup on
+            # matched steps only, not with DFlash's acceptance where nothing could be copied
+            source = pick(("ngram", "dflash-matched"))
         else:
             source = "ngram" if self.accepted["ngram"] >= self.accepted["dflash"] else "dflash"
         self._choice = (tokens.shape[0], source, lookup)
@@ -103,6 +110,7 @@ class HybridDrafter(Drafter):
         else:
             self._since_ngram += int(lookup.tokens.numel() > 0)
             draft = self.dflash.propose(tokens, n, params, generator)
+            source = "dflash"
         self.steps[source] += 1
         self._pending = (source, tokens.shape[0] - 1)
         return draft
