@@ -92,6 +92,12 @@ class _Projections:
     ``mkldnn._linear_pointwise`` call per group. Measured here (docs/performance.md), bf16
     matrix-vector products run ~1.5x faster packed than through ``F.linear``; fp32 gains
     nothing, so fp32 stays unpacked.
+
+    Quantised (``--weights q4``): ``q4`` maps ``id(module)`` to its GGUF 4-bit codes
+    (:class:`flashdraft.quant.Q4Weight`); when every module of the group has them, the
+    group runs on one :class:`~flashdraft.quant.Int4Linear`. ``int8`` puts the group on
+    :class:`~flashdraft.quant.Int8Linear` instead (the LM head). Blocks of more than
+    :data:`QUANT_MAX_ROWS` rows use the float32 weights.
     """
 
     def __init__(self, modules: list, pack: bool, q4: dict | None = None, int8: bool = False):
