@@ -104,13 +104,8 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     ``h*D + half*D/2 + i`` is GGUF row ``h*D + 2i + half`` (D = head dim).
     """
     dim = n_rows // n_head
-    hf = torch.arange(n_rows).view(n_head, 2, dim // 2)  # [head, half, i] in transformers order
-    gguf_of_hf = torch.empty(n_rows, dtype=torch.long)
-    for h in range(n_head):
-        for half in range(2):
-            for i in range(dim // 2):
-                gguf_of_hf[hf[h, half, i]] = h * dim + 2 * i + half
-    return gguf_of_hf
+    # GGUF rows indexed [head, i, half]; read them in transformers' [head, half, i] order
+    return torch.arange(n_rows).view(n_head, dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def read_q4(path: str | Path, model) -> dict[str, Q4Weight]:
