@@ -21,7 +21,7 @@ import torch
 
 from flashdraft.adaptive import ProfitController
 from flashdraft.drafters.base import Drafter
-from flashdraft.generate import Sequence, SpeculativeGenerator, Step
+from flashdraft.generate import PromptCache, Sequence, SpeculativeGenerator, Step, common_prefix
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Slot:
         seq: the request being decoded, or None when the slot is free.
         owner: whatever the caller attaches to the request (the scheduler's ticket).
         delivered: whether any step of the current request has been handed out.
+        prompt_cache: the caches the slot's last request left (its drafter holds the same
+            context), for the next request's common prefix; None = start afresh.
     """
 
     index: int
@@ -43,6 +45,7 @@ class Slot:
     seq: Sequence | None = None
     owner: object = None
     delivered: bool = False
+    prompt_cache: PromptCache | None = None
 
     @property
     def free(self) -> bool:
@@ -60,15 +63,24 @@ def make_slots(generator: SpeculativeGenerator, n: int) -> list[Slot]:
     return [Slot(i, generator.drafter.fork(), copy.deepcopy(generator.controller)) for i in range(n)]
 
 
-def start(generator: SpeculativeGenerator, slot: Slot, prompt_ids: list[int], max_tokens: int, params, **kw) -> None:
+def best_slot(free: list[Slot], prompt_ids: list[int]) -> Slot:
+    """The free slot whose prompt cache shares the longest prefix with ``prompt_ids``
+    (llama-server's slot choice by prompt similarity); the first one when none shares any."""
+    return max(free, key=lambda slot: common_prefix(slot.prompt_cache, prompt_ids))
+
+
+def start(generator: SpeculativeGenerator, slot: Slot, prompt_ids: list[int], max_tokens: int, params,
+          cache_prompt: bool = False, **kw) -> None:
     """Begin a request in ``slot`` (its first step is the prefill); ``kw`` as
     :class:`~flashdraft.generate.Sequence` (``stop``, ``n_draft``, ``ignore_eos``).
+    ``cache_prompt``: start from the slot's prompt cache (its common prefix is not prefilled).
 
     Raises:
         ContextOverflowError / ValueError: as :class:`~flashdraft.generate.Sequence`; the slot stays free.
     """
+    cached, slot.prompt_cache = slot.prompt_cache, None  # the new sequence owns (or drops) it
     slot.seq = Sequence(generator, prompt_ids, max_tokens, params, drafter=slot.drafter,
-                        controller=slot.controller, **kw)
+                        controller=slot.controller, reuse=cached if cache_prompt else None, **kw)
     slot.delivered = False
 
 

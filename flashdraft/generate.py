@@ -45,7 +45,9 @@ class Cancelled(Exception):
 class Timings:
     """llama-server's ``timings`` object plus speculative counters (vLLM spec_decode style).
 
-    Times are milliseconds. ``predicted_n`` counts only tokens that are returned.
+    Times are milliseconds. ``prompt_n``: prompt tokens run through the target;
+    ``cache_n``: prompt tokens reused from the prompt cache instead (llama-server's meaning:
+    the whole prompt is ``prompt_n + cache_n``). ``predicted_n`` counts only tokens that are returned.
     ``draft_n``: drafted tokens; ``draft_n_accepted``: accepted ones that were returned;
     ``accepted_per_position[k]``: drafts accepted at position k+1; ``drafted_per_position[k]``:
     drafts proposed at position k+1; ``n_drafts``: verify steps that carried a draft.
@@ -56,6 +58,7 @@ class Timings:
     """
 
     prompt_n: int = 0
+    cache_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
@@ -82,6 +85,7 @@ class Timings:
 
     def to_dict(self, drafting: bool) -> dict:
         d = {
+            "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
             "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
@@ -96,6 +100,37 @@ class Timings:
                      acceptance_length=round(self.acceptance_length, 4),
                      draft_depth=round(self.draft_depth, 3), draft_depth_last=self.draft_depth_last)
         return d
+
+
+@dataclass
+class PromptCache:
+    """What a sequence leaves behind for the next request of the same slot (``cache_prompt``).
+
+    Attributes:
+        tokens: ``[L]`` ids whose K/V ``cache`` holds, in order (the prompt and the answer,
+            the last anchor excluded); the drafter that served the sequence holds the same
+            context.
+        cache: the target cache (any kind with ``length`` and ``rollback``).
+    """
+
+    tokens: list[int]
+    cache: object
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens whose K/V can be reused: the longest common prefix, less
+        one when it covers the whole prompt (the last prompt token must run through the
+        target to give the first token's logits)."""
+        n = 0
+        for a, b in zip(self.tokens, prompt_ids):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(prompt_ids) - 1)
+
+
+def common_prefix(cached: PromptCache | None, prompt_ids: list[int]) -> int:
+    """:meth:`PromptCache.reusable`, 0 without a cache."""
+    return 0 if cached is None else cached.reusable(prompt_ids)
 
 
 @dataclass
@@ -137,6 +172,9 @@ class SpeculativeGenerator:
         self.controller = controller
         self.kv = kv
         self.target.set_feature_layers(self.drafter.feature_layer_ids)
+        #: left by the last :meth:`generate` for the next one (the generator's drafter holds
+        #: the matching context); None after a failure
+        self.prompt_cache: PromptCache | None = None
 
     @property
     def drafting(self) -> bool:
@@ -160,24 +198,36 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
-                 ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None) -> Iterator[Step]:
+                 ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
+                 cache_prompt: bool = False) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
         prefill, then one verify per step). The server's parallel slots step several
         sequences with one packed forward instead (:mod:`flashdraft.batch`).
 
+        ``cache_prompt``: start from :attr:`prompt_cache`, the target and drafter caches of
+        the previous call, and prefill only what follows the longest common prefix
+        (llama-server's ``cache_prompt``; multi-turn chat then prefills the new turn only).
+        Whatever the flag, a call that ends (finished or cancelled) leaves its caches there.
+
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
             ValueError: ``max_tokens < 1`` or an empty prompt.
             Cancelled: when ``cancelled()`` turns True (checked once per verify step).
         """
-        seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos)
+        cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
+        seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
+                       reuse=cached if cache_prompt else None)
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
+                self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree
                 raise Cancelled()
             logits, features = self.target.forward(*seq.prepare())
-            yield seq.finish(logits, features)
+            step = seq.finish(logits, features)
+            if seq.done:
+                self.prompt_cache = seq.leftover()
+            yield step
 
 
 class Sequence:
@@ -197,6 +247,9 @@ class Sequence:
         drafter: this sequence's drafter (a parallel slot's own, see :meth:`Drafter.fork`);
             it is ``reset()`` here.
         controller: this sequence's depth controller (a slot's own); None = the generator's.
+        reuse: the caches the previous sequence of this drafter left (:meth:`leftover`);
+            the prompt's longest common prefix with them is not prefilled again. None =
+            fresh caches.
     Raises:
         ContextOverflowError: prompt too long for ``ctx_size``.
         ValueError: ``max_tokens < 1`` or an empty prompt.
@@ -205,7 +258,7 @@ class Sequence:
     def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,
                  params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, drafter: Drafter | None = None,
-                 controller: ProfitController | None = None):
+                 controller: ProfitController | None = None, reuse: PromptCache | None = None):
         generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -218,12 +271,21 @@ class Sequence:
         self.gen = params.make_generator()
         self.eos = set() if ignore_eos else target.eos_token_ids
         self.stream = TextStream(target.decode, stop)
-        self.t = Timings(prompt_n=len(prompt_ids))
-        self.cache = target.new_cache(kv=generator.kv)
         self.tokens = torch.tensor(prompt_ids, dtype=torch.long)  # committed ids (the last: the anchor)
         self.prefilled = False
         self.finish_reason: str | None = None
-        self.drafter.reset()
+        # prompt cache: the drafter keeps the shared prefix's context (as much as it can),
+        # the target cache is rolled back to the same point; else both start empty
+        n_cached = common_prefix(reuse, prompt_ids)
+        n_cached = self.drafter.rewind(n_cached) if n_cached else 0
+        if n_cached:
+            self.cache = reuse.cache
+            self.cache.rollback(n_cached)
+        else:
+            self.drafter.reset()
+            self.cache = target.new_cache(kv=generator.kv)
+        self.n_cached = n_cached
+        self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
         if self.controller is not None:
             self.controller.start_request()
         # filled by prepare() for finish(): this step's drafts, depth and start time
@@ -237,12 +299,22 @@ class Sequence:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def leftover(self) -> PromptCache | None:
+        """The caches for the next request of this drafter; call between steps only (after
+        a ``finish``), when the target cache holds exactly ``tokens[:-1]``. None before the
+        prefill."""
+        if not self.prefilled:
+            return None
+        return PromptCache(self.tokens[:-1].tolist(), self.cache)
+
     def prepare(self) -> tuple[torch.Tensor, object, int]:
         """This step's target input: ``(token_ids [T], cache, logits_from)`` for ``Target.forward``."""
         if not self.prefilled:
             # 1. prefill: one target forward over the prompt (logits of the last row only)
+            #    (after the cached prefix: its K/V are in the cache already)
             self._t0 = time.perf_counter()
-            return self.tokens, self.cache, self.tokens.shape[0] - 1
+            todo = self.tokens[self.n_cached:]
+            return todo, self.cache, todo.shape[0] - 1
         # 2. draft: depth from the controller (or fixed); never past max_tokens (the bonus
         #    token adds one) or the context
         t = self.t

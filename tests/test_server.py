@@ -421,6 +421,33 @@ def test_api_key_accepted_and_dflash_drafts(auth_server):
     assert r.status_code == 200
 
 
+def test_prompt_cache_prefills_only_the_new_turn_and_changes_nothing(auth_server):
+    """Multi-turn chat with DFlash drafting: the second turn reuses the first exchange's K/V
+    (target and drafter), reports it as cached, and answers exactly as without the cache."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = auth_server.url + "/v1/chat/completions"
+
+    def ask(messages, **extra):
+        r = httpx.post(url, headers=headers, timeout=120,
+                       json={"messages": messages, "max_tokens": 16, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = ask(CHAT)
+    turn2 = CHAT + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "Now make it subtract them."}]
+    cached = ask(turn2)
+    t, u = cached["timings"], cached["usage"]
+    assert t["cache_n"] >= first["usage"]["prompt_tokens"]  # at least the whole first prompt
+    assert u["prompt_tokens_details"]["cached_tokens"] == t["cache_n"]
+    assert u["prompt_tokens"] == t["prompt_n"] + t["cache_n"]
+    slots = httpx.get(auth_server.url + "/slots", headers=headers).json()
+    assert slots[0]["n_cached"] >= u["prompt_tokens"] and not slots[0]["is_processing"]
+    fresh = ask(turn2, cache_prompt=False)
+    assert fresh["timings"]["cache_n"] == 0 and fresh["timings"]["prompt_n"] == u["prompt_tokens"]
+    assert fresh["choices"][0]["message"]["content"] == cached["choices"][0]["message"]["content"]
+
+
 # -- flags (no server) ----------------------------------------------------------------------
 
 GUIDE_BASELINE = ("-m /models/target.gguf --host 127.0.0.1 --port 8080 -np 1 -ngl all -b 2048 -ub 512 "

@@ -48,6 +48,19 @@ class Drafter:
     def reset(self) -> None:
         """Forget the previous sequence (called before every request)."""
 
+    def rewind(self, n_context: int) -> int:
+        """Start a request that shares its first ``n_context`` context positions with the
+        sequence this drafter served last (the prompt cache): keep the per-sequence context
+        state of those positions, drop the rest and every per-request statistic.
+
+        Returns:
+            how many leading context positions the drafter kept (<= ``n_context``); the
+            caller prefills the target from there. This default suits drafters that keep no
+            context state over positions (prompt lookup, none): it resets and keeps them all.
+        """
+        self.reset()
+        return n_context
+
     def fork(self) -> "Drafter":
         """A drafter for another concurrent sequence (a server slot): a shallow copy that
         shares this one's weights and settings, with its own per-sequence state.

@@ -419,6 +419,11 @@ class DFlashDrafter(Drafter):
     def reset(self) -> None:
         self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype, kv=self.kv)
 
+    def rewind(self, n_context: int) -> int:
+        # the context cache holds K/V of positions 0..length-1: keeping a prefix is a length move
+        self.cache.length = min(self.cache.length, n_context)
+        return self.cache.length
+
     @torch.inference_mode()
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:
         if features is None:

@@ -35,6 +35,13 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.draft_model.config)
 
+    def rewind(self, n_context: int) -> int:
+        # the draft model catches up on missing positions from the token ids itself
+        extra = self._cached() - n_context
+        if extra > 0:
+            self.cache.crop(-extra)
+        return n_context
+
     def _cached(self) -> int:
         return self.cache.get_seq_length()
 

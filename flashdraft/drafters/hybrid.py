@@ -51,11 +51,20 @@ class HybridDrafter(Drafter):
     def reset(self) -> None:
         self.dflash.reset()
         self.ngram.reset()
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        """Per-request choice state: running acceptance per source and the pending draft."""
         self.accepted = {"ngram": 0.0, "dflash": 0.0}
         self.steps = {"ngram": 0, "dflash": 0}
         self._pending: tuple[str, int] | None = None  # (source, anchor position) of the last draft
         self._since_ngram = 0  # steps with an n-gram candidate that went to DFlash
         self._choice: tuple[int, str, Draft] | None = None  # (length of tokens, source, n-gram draft)
+
+    def rewind(self, n_context: int) -> int:
+        self.ngram.reset()
+        self._reset_stats()
+        return self.dflash.rewind(n_context)
 
     def fork(self) -> "HybridDrafter":
         return HybridDrafter(self.dflash.fork(), NgramDrafter(self.ngram.max_ngram, self.ngram.min_ngram),

@@ -7,7 +7,7 @@ Routes (llama-server compatible):
 - ``GET /``: the chat page (``static/``); ``GET /static/<file>``: its script and style
 - ``GET /health`` (503 while loading or stopping, 200 ``{"status": "ok"}``), ``GET /v1/models``
   (also ``/models``), ``GET /props``, ``POST /tokenize``, ``POST /detokenize``,
-  ``GET /metrics`` (Prometheus; 501 unless ``--metrics``)
+  ``GET /metrics`` (Prometheus; 501 unless ``--metrics``), ``GET /slots`` (501 with ``--no-slots``)
 
 With ``api_key`` set, every API route except ``/health`` needs ``Authorization: Bearer KEY``
 (or ``X-Api-Key: KEY``). The chat page and its static files stay public: a browser cannot
@@ -206,6 +206,18 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                             "drafting": g.drafting},
             "build_info": f"flashdraft {flashdraft.__version__}",
         })
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        """Each slot's state (llama-server's ``/slots`` subset): id, context size, whether it
+        decodes now, and the tokens its prompt cache holds."""
+        if not settings.slots_endpoint:
+            raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           type="not_supported_error")
+        state.require_ready()
+        g = state.generator
+        return JSONResponse([{**slot, "n_ctx": g.ctx_size, "speculative": g.drafting}
+                             for slot in state.scheduler.slot_states()])
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -48,9 +48,11 @@ def sse(obj: dict) -> bytes:
 
 
 def usage(t: Timings) -> dict:
-    """OpenAI ``usage``: prompt and returned tokens."""
-    return {"prompt_tokens": t.prompt_n, "completion_tokens": t.predicted_n,
-            "total_tokens": t.prompt_n + t.predicted_n}
+    """OpenAI ``usage``: the whole prompt (prefilled + reused from the prompt cache, the
+    latter also in ``prompt_tokens_details.cached_tokens``) and the returned tokens."""
+    prompt = t.prompt_n + t.cache_n
+    return {"prompt_tokens": prompt, "completion_tokens": t.predicted_n, "total_tokens": prompt + t.predicted_n,
+            "prompt_tokens_details": {"cached_tokens": t.cache_n}}
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------
@@ -125,7 +127,8 @@ def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop
         "content": c.text, "tokens": c.token_ids, "id_slot": 0, "stop": True, "model": model,
         "tokens_predicted": c.timings.predicted_n, "tokens_evaluated": prompt_n,
         "generation_settings": settings, "has_new_line": "\n" in c.text, "truncated": False,
-        "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": 0,
+        "stop_type": stop_type, "stopping_word": stopping_word,
+        "tokens_cached": c.timings.cache_n,
         "timings": timings,
     }
 

@@ -46,6 +46,8 @@ class GenerationJob:
         params: sampling settings.
         stop: stop strings.
         ignore_eos: keep generating past EOS.
+        cache_prompt: reuse the slot's caches for the prompt's common prefix with what
+            the slot decoded last.
     """
 
     prompt_ids: list[int]
@@ -53,6 +55,7 @@ class GenerationJob:
     params: SamplingParams
     stop: list[str]
     ignore_eos: bool = False
+    cache_prompt: bool = True
 
 
 class JobFailed(Exception):
@@ -152,6 +155,7 @@ class Scheduler:
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
         self._current: Ticket | None = None
         self._running: set[Ticket] = set()  # -np > 1: tickets holding a slot
+        self._slots: list[batch.Slot] = []  # -np > 1: made by the worker thread
         #: set by begin_shutdown: no new jobs; the running one must end by ``_deadline``
         self._closing = False
         self._deadline: float | None = None
@@ -190,6 +194,18 @@ class Scheduler:
     def slots_busy(self) -> int:
         """Slots decoding a request now."""
         return len(self._running) if self.n_slots > 1 else int(self._current is not None)
+
+    def slot_states(self) -> list[dict]:
+        """Per slot, for ``GET /slots``: ``id``, ``is_processing`` and ``n_cached`` (tokens
+        whose K/V its prompt cache holds for the next request; 0 while it decodes). Read
+        from another thread without a lock: a snapshot that may be one step old."""
+        if self.n_slots == 1:
+            cached = self.generator.prompt_cache
+            return [{"id": 0, "is_processing": self._current is not None,
+                     "n_cached": 0 if cached is None else len(cached.tokens)}]
+        slots = list(self._slots) or [batch.Slot(i, None, None) for i in range(self.n_slots)]
+        return [{"id": s.index, "is_processing": not s.free,
+                 "n_cached": 0 if s.prompt_cache is None else len(s.prompt_cache.tokens)} for s in slots]
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop taking jobs: queued ones get :class:`ServerShuttingDown` now, the running one
@@ -269,7 +285,8 @@ class Scheduler:
 
         try:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
-                                                ignore_eos=job.ignore_eos, cancelled=stopped):
+                                                ignore_eos=job.ignore_eos, cancelled=stopped,
+                                                cache_prompt=job.cache_prompt):
                 if step.finish_reason is not None and self.metrics and step.timings is not None:
                     self.metrics.observe_generation(step.timings)
                 if not ticket.channel.put(step):
@@ -285,7 +302,7 @@ class Scheduler:
     # -- worker thread, -np > 1 ------------------------------------------------------
     def _run_slots(self) -> None:
         """Admit queued jobs into free slots, step every busy slot together, repeat."""
-        slots = batch.make_slots(self.generator, self.n_slots)
+        slots = self._slots = batch.make_slots(self.generator, self.n_slots)
         while True:
             if not self._admit(slots):
                 for slot in slots:
@@ -329,14 +346,15 @@ class Scheduler:
             if not self._accept(ticket):
                 continue
             job = ticket.job
+            slot = batch.best_slot(free, job.prompt_ids) if job.cache_prompt else free[0]
             try:
-                batch.start(self.generator, free[0], job.prompt_ids, job.max_tokens, job.params,
-                            stop=job.stop, ignore_eos=job.ignore_eos)
+                batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
+                            stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))
                 continue
-            slot = free.pop(0)
+            free.remove(slot)
             slot.owner = ticket
             self._running.add(ticket)
             if self.metrics:
@@ -348,6 +366,9 @@ class Scheduler:
         ticket = slot.owner
         if end is not None:
             ticket.channel.put(end)
+        # a finished or cancelled sequence is between steps: its caches serve the next prompt;
+        # after a failure they may be half-written, so the slot starts afresh
+        slot.prompt_cache = None if isinstance(end, (JobFailed, ServerShuttingDown)) else slot.seq.leftover()
         slot.seq, slot.owner = None, None
         self._running.discard(ticket)
         if self.metrics:

@@ -46,6 +46,8 @@ class SamplingFields(_Strict):
     stream: bool = False
     ignore_eos: bool = False
     model: str | None = None
+    #: llama-server's prompt cache: reuse the slot's caches for the common prefix
+    cache_prompt: bool = True
 
     @field_validator("stop")
     @classmethod

@@ -42,6 +42,7 @@ class ServerSettings:
         n_parallel: ``-np``: requests decoded together (one packed target forward per step).
         max_body_bytes: larger request bodies get 413.
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
+        slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
         shutdown_grace_s: after SIGTERM, how long the running request may go on before it
             is ended with a 503 / an ``error`` event; kept below uvicorn's graceful-shutdown
             timeout (5 s in ``flashdraft serve``) so the clean end wins over a cut connection.
@@ -62,6 +63,7 @@ class ServerSettings:
     n_parallel: int = 1
     max_body_bytes: int = 8 * 1024 * 1024
     webui: bool = True
+    slots_endpoint: bool = True
     shutdown_grace_s: float = 3.0
 
     def template_kwargs(self) -> dict:
@@ -190,7 +192,8 @@ class ServerState:
         # a limit of "none" still ends at the context end (the loop stops there)
         limits = [n for n in (max_tokens, self.settings.n_predict) if n is not None and n > 0]
         limit = min(limits) if limits else gen.ctx_size - len(prompt_ids)
-        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(), req.ignore_eos)
+        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(), req.ignore_eos,
+                             cache_prompt=req.cache_prompt)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.
