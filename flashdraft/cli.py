@@ -33,8 +33,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--spec-draft-model", default=None,
                    help="drafter: DFlash SpecForge dir/GGUF (or random[:LAYERS]); draft model path (or 'target')")
     p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram", "hybrid"],
-                   help="drafting method (default: dflash when a drafter is at hand - -md, or the shipped one "
-                        "for the default model - else none)")
+                   help="drafting method (default: dflash with -md, else none; dflash/hybrid without -md "
+                        "use the shipped drafter of the packaged model)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
     p.add_argument("--spec-dm-controller", choices=["profit", "off"], default="profit",
                    help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "

@@ -115,14 +115,12 @@ class EngineConfig:
 
 
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
-    """``--spec-type`` when given; else ``dflash`` when a DFlash drafter is at hand (``-md``, or
-    the shipped one for the packaged default target) and ``none`` otherwise, as llama-server
-    decodes plainly when no draft model is given."""
+    """``--spec-type`` when given; else ``dflash`` when ``-md`` names a drafter, and ``none``
+    otherwise: drafting only when asked for, as llama-server decodes plainly without a draft
+    model (``--spec-type dflash`` alone uses the shipped drafter of the packaged target)."""
     if spec_type is not None:
         return spec_type
-    if draft_model or (model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists()):
-        return "dflash"
-    return "none"
+    return "dflash" if draft_model else "none"
 
 
 def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:

@@ -511,3 +511,35 @@ def test_api_key_defaults_to_llama_api_key(monkeypatch):
 
     monkeypatch.setenv("LLAMA_API_KEY", "from-env")
     assert build_parser().parse_args([]).api_key == "from-env"
+
+
+def test_drafting_only_when_asked():
+    from flashdraft.server.cli import build_parser, engine_config_from_args
+
+    def mode(line: str) -> str:
+        return engine_config_from_args(build_parser().parse_args(line.split())).spec_type
+
+    assert mode("") == "none"  # the packaged model alone: plain, like llama-server without -md
+    assert mode("-m /models/target.gguf") == "none"
+    assert mode("--spec-type dflash") == "dflash"  # what `make serve` passes: the shipped drafter
+    assert mode("-m t.gguf -md d.gguf") == "dflash"
+    assert mode("-md d.gguf --spec-type hybrid") == "hybrid"
+    assert "--spec-type dflash" in (ROOT / "Makefile").read_text()
+
+
+def test_n_predict_is_the_default_for_requests_without_a_limit_not_a_cap():
+    from types import SimpleNamespace
+
+    from flashdraft.server.schemas import SamplingFields
+    from flashdraft.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings(n_predict=5))
+    state.generator = SimpleNamespace(ctx_size=100, check_prompt=lambda n: None)
+    req = SamplingFields()
+    assert state.make_job([1, 2, 3], None, req).max_tokens == 5
+    assert state.make_job([1, 2, 3], -1, req).max_tokens == 5
+    assert state.make_job([1, 2, 3], 20, req).max_tokens == 20  # the request wins
+    assert state.make_job([1] * 90, 20, req).max_tokens == 10  # never past the context
+    unlimited = ServerState(ServerSettings(n_predict=-1))
+    unlimited.generator = state.generator
+    assert unlimited.make_job([1, 2, 3], None, req).max_tokens == 97

@@ -9,6 +9,9 @@ Routes (llama-server compatible):
   (also ``/models``), ``GET /props``, ``POST /tokenize``, ``POST /detokenize``,
   ``GET /metrics`` (Prometheus; 501 unless ``--metrics``), ``GET /slots`` (501 with ``--no-slots``)
 
+CORS (``--cors-*``, default: any origin): preflight ``OPTIONS`` requests are answered without
+the API key, as browsers send them without credentials.
+
 With ``api_key`` set, every API route except ``/health`` needs ``Authorization: Bearer KEY``
 (or ``X-Api-Key: KEY``). The chat page and its static files stay public: a browser cannot
 send a header when it opens a URL, the files hold no data, and the page asks for the key
@@ -29,6 +32,7 @@ from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 
@@ -119,6 +123,11 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     app.state.flashdraft = state
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    # added last = outermost: preflights are answered before the key check, and every
+    # response (a 401 too) carries the CORS headers a browser needs to read it
+    cors = settings.cors
+    app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                       allow_headers=cors.headers, allow_credentials=cors.credentials)
     install_error_handlers(app)
     if settings.webui:
         webui.register(app)

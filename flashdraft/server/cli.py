@@ -3,9 +3,11 @@
 The main CLI calls :func:`add_arguments` on its ``serve`` sub-parser and :func:`run` with
 the parsed namespace; ``python -m flashdraft.server.cli ...`` does the same on its own.
 
-Flags that mean nothing on this engine (GPU layers, batch sizes, KV cache types, memory
-mapping...) are accepted with their values, so the seed guide's llama-server command lines
-start this server with only the model paths changed; they are listed once in the log.
+Every llama-server flag is accepted (:mod:`.llama_flags`): the ones this engine implements
+are defined here; those that mean nothing here (GPU layers, batch sizes, memory mapping...)
+are listed once in the log; those that would change the answers (LoRA, extra samplers) stop
+the start with a message naming them, unless given their neutral value. So the seed guide's
+llama-server command lines start this server with only the model paths changed.
 """
 
 from __future__ import annotations
@@ -16,40 +18,9 @@ import os
 import sys
 
 from flashdraft.cli import add_cache_arguments
+from flashdraft.server import llama_flags
 
 log = logging.getLogger("flashdraft.server")
-
-#: llama-server flags accepted and ignored: (names, takes a value; ``"?"`` = optional value).
-#: The first name is the one the log shows (the seed guide's spelling where it has one).
-IGNORED_FLAGS: list[tuple[tuple[str, ...], bool | str]] = [
-    (("-ngl", "--gpu-layers", "--n-gpu-layers"), True),
-    (("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), True),
-    (("-b", "--batch-size"), True),
-    (("-ub", "--ubatch-size"), True),
-    (("--flash-attn", "-fa"), "?"),  # newer llama.cpp: on|off|auto; older: a bare switch
-    (("--kv-unified", "-kvu"), False),
-    (("--cache-ram", "-cram"), True),
-    (("--no-mmap",), False),
-    (("--mlock",), False),
-    (("--no-host",), False),
-    (("--cont-batching", "-cb"), False),
-    (("--no-cont-batching", "-nocb"), False),
-    (("--no-warmup",), False),
-    (("--threads-batch", "-tb"), True),
-    (("--ctx-size-draft", "-cd"), True),
-    (("--spec-draft-n-min", "--draft-min", "--draft-n-min"), True),
-    (("--device", "-dev"), True),
-    (("--device-draft", "-devd"), True),
-    (("--split-mode", "-sm"), True),
-    (("--tensor-split", "-ts"), True),
-    (("--main-gpu", "-mg"), True),
-    (("--no-kv-offload", "-nkvo"), False),
-    (("--numa",), True),
-    (("--cache-reuse",), True),
-    (("--slots",), False),
-    (("--no-webui",), False),
-    (("--log-colors",), "?"),
-]
 
 REASONING = ("on", "off", "auto")
 
@@ -66,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
                    help="drafter: DFlash SpecForge dir or GGUF, 'random[:LAYERS]', or for --spec-type draft "
                         "a small causal LM ('target' = the target itself)")
-    m.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
-                   help="drafting method (default: dflash when a drafter is at hand - -md, or the shipped one for "
-                        "the default model - else none, like llama-server without a draft model)")
+    m.add_argument("--spec-type", type=spec_type_arg, default=None, metavar="|".join(SPEC_TYPES),
+                   help="drafting method (default: dflash with -md, else none, like llama-server without a draft "
+                        "model; dflash/hybrid without -md use the shipped drafter of the packaged model)")
     m.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", dest="spec_draft_n_max",
                    type=_positive_int, default=16, help="draft tokens per step (default: 16)")
     m.add_argument("--spec-dm-controller", choices=("profit", "off"), default="profit",
@@ -80,8 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="context size in tokens, prompt + output (default: 4096)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models and in responses")
-    m.add_argument("--jinja", action="store_true",
-                   help="use the model's Jinja chat template (always on: templates run with transformers)")
+    m.add_argument("--jinja", dest="jinja", action="store_true", default=True,
+                   help="chat prompts through the model's Jinja template (default; run with transformers)")
+    m.add_argument("--no-jinja", dest="jinja", action="store_false",
+                   help="chat prompts through the built-in template of the model's format (chatml, llama3, "
+                        "gemma, zephyr; detected from its Jinja template)")
+    m.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="a built-in template name (chatml, llama3, gemma, zephyr) or a Jinja template")
+    m.add_argument("--chat-template-file", default=None, metavar="FILE", help="a Jinja chat template file")
+    m.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra chat template variables for every request, a JSON object")
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
     m.add_argument("-t", "--threads", type=_positive_int, default=None, help="torch CPU threads")
@@ -96,10 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--min-p", type=float, default=0.05, help="min-p, 0.0 = off (default: 0.05)")
     s.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed, -1 = random (default)")
     s.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
-                   help="cap on new tokens per request, -1 = none (default)")
+                   help="new tokens for requests that set no limit (a request's own limit wins), "
+                        "-1 = until EOS or the context end (default)")
 
     h = parser.add_argument_group("server")
-    h.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    h.add_argument("--host", default="127.0.0.1",
+                   help="bind address, or several separated by commas (default: 127.0.0.1)")
     h.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     h.add_argument("-np", "--parallel", type=_positive_int, default=1,
                    help="parallel slots: up to N requests decode together, their verify steps packed "
@@ -109,48 +90,105 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $LLAMA_API_KEY)")
+    h.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from the file's first line")
+    h.add_argument("--slots", dest="slots", action="store_true", default=True, help="serve GET /slots (default)")
+    h.add_argument("--no-slots", dest="slots", action="store_false", help="answer GET /slots with 501")
+    h.add_argument("--ui", "--webui", dest="webui", action="store_true", default=True,
+                   help="serve the chat page at / (default)")
+    h.add_argument("--no-ui", "--no-webui", dest="webui", action="store_false", help="no chat page")
+    h.add_argument("--cache-prompt", dest="cache_prompt", action="store_true", default=True,
+                   help="requests reuse their slot's caches for the common prompt prefix unless they send "
+                        "cache_prompt: false (default)")
+    h.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
+                   help="requests prefill their whole prompt unless they send cache_prompt: true")
+    h.add_argument("--cors-origins", default="*", help="allowed CORS origins, comma-separated (default: *)")
+    h.add_argument("--cors-methods", default="GET,POST,OPTIONS", help="allowed CORS methods (default: GET,POST,OPTIONS)")
+    h.add_argument("--cors-headers", default="*", help="allowed CORS request headers (default: *)")
+    h.add_argument("--cors-credentials", dest="cors_credentials", action="store_true", default=False,
+                   help="allow credentials on CORS requests")
+    h.add_argument("--no-cors-credentials", dest="cors_credentials", action="store_false", help=argparse.SUPPRESS)
     h.add_argument("--log-timestamps", action="store_true", help="prefix log lines with the time")
     h.add_argument("--log-prefix", action="store_true", help="prefix log lines with the level")
+    h.add_argument("-v", "--verbose", "--log-verbose", action="store_true", help="debug logging")
+    h.add_argument("--log-disable", action="store_true", help="log warnings and errors only")
+    h.add_argument("--log-file", default=None, metavar="FILE", help="also write the log to FILE")
+    h.add_argument("--ignore-eos", action="store_true", help="requests keep generating past EOS by default")
 
-    ig = parser.add_argument_group("accepted for llama-server compatibility, ignored")
-    for names, value in IGNORED_FLAGS:
-        dest = _ignored_dest(names)
-        if value is True:
-            ig.add_argument(*names, dest=dest, default=None, metavar="V", help=argparse.SUPPRESS)
-        elif value == "?":
-            ig.add_argument(*names, dest=dest, nargs="?", const="", default=None, metavar="V",
-                            help=argparse.SUPPRESS)
-        else:
-            ig.add_argument(*names, dest=dest, action="store_const", const="", default=None,
-                            help=argparse.SUPPRESS)
+    llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility"))
+
+
+#: llama.cpp's ``--spec-type`` names mapped to this engine's (a comma list mixes methods:
+#: a DFlash drafter with an n-gram one is the hybrid)
+LLAMA_SPEC_TYPES = {"draft-simple": "draft", "draft-dflash": "dflash", "ngram-simple": "ngram",
+                    "ngram-map-k": "ngram", "ngram-map-k4v": "ngram", "ngram-mod": "ngram", "ngram-cache": "ngram"}
+
+
+def spec_type_arg(text: str) -> str:
+    """``--spec-type``: ours or llama.cpp's names, one or a comma list. Raises ArgumentTypeError."""
+    from flashdraft.engine import SPEC_TYPES
+
+    kinds = {LLAMA_SPEC_TYPES.get(t.strip(), t.strip()) for t in text.split(",") if t.strip()}
+    if len(kinds) > 1:
+        kinds.discard("none")
+    if kinds == {"dflash", "ngram"}:
+        return "hybrid"
+    if len(kinds) == 1 and (kind := next(iter(kinds))) in SPEC_TYPES:
+        return kind
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a drafting method here: choose from {', '.join(SPEC_TYPES)} (or llama.cpp's "
+        f"{', '.join(LLAMA_SPEC_TYPES)}; draft-dflash,ngram-* = hybrid)")
 
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:
-    """The ignored flags that were given, as ``"-ngl all"`` strings (first name of each)."""
-    out = []
-    for names, _ in IGNORED_FLAGS:
-        value = getattr(args, _ignored_dest(names), None)
-        if value is not None:
-            out.append(f"{names[0]} {value}".strip())
-    return out
-
-
-def _ignored_dest(names: tuple[str, ...]) -> str:
-    return "ignored_" + names[0].lstrip("-").replace("-", "_")
+    """The ignored llama-server flags that were given, as ``"-ngl all"`` strings."""
+    return llama_flags.ignored(args)
 
 
 def settings_from_args(args: argparse.Namespace):
-    """:class:`ServerSettings` from parsed flags."""
-    from flashdraft.engine import resolve_spec_type
-    from flashdraft.server.state import ServerSettings
+    """:class:`ServerSettings` from parsed flags.
 
+    Raises:
+        ValueError: an unreadable ``--api-key-file`` or ``--chat-template-file``, a
+            ``--chat-template`` that is neither a built-in name nor Jinja, or
+            ``--chat-template-kwargs`` that is not a JSON object.
+    """
+    import json
+
+    from flashdraft.engine import resolve_spec_type
+    from flashdraft.server.chat_templates import resolve_template
+    from flashdraft.server.state import CorsSettings, ServerSettings
+
+    api_key = args.api_key or None
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip() or None
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+    kwargs = {}
+    if args.chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs is not JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return ServerSettings(
         alias=args.alias, model_path=args.model,
         spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=None if args.seed < 0 else args.seed, n_predict=args.n_predict, metrics=args.metrics,
-        api_key=args.api_key or None, reasoning=args.reasoning, n_parallel=args.parallel,
+        api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel, webui=args.webui,
+        slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
+        chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
+        chat_template_kwargs=kwargs,
+        cors=CorsSettings(_csv(args.cors_origins), _csv(args.cors_methods), _csv(args.cors_headers),
+                          args.cors_credentials),
     )
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -173,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         0 after a normal shutdown, 1 if the model failed to load or the sampling
         defaults are invalid.
     """
-    _setup_logging(args.log_timestamps, args.log_prefix)
+    _setup_logging(args.log_timestamps, args.log_prefix, args.verbose, args.log_disable, args.log_file)
     import torch
     import uvicorn
 
@@ -181,7 +219,16 @@ def run(args: argparse.Namespace) -> int:
     from flashdraft.sampling import SamplingParams
     from flashdraft.server.app import create_app
 
-    settings = settings_from_args(args)
+    refused = llama_flags.refused(args)
+    for message in refused:
+        log.error("%s", message)
+    if refused:
+        return 1
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
     try:  # refuse bad defaults now rather than on every request
         SamplingParams(settings.temperature, settings.top_k, settings.top_p, settings.min_p, settings.seed)
     except ValueError as e:
@@ -201,8 +248,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 1
-    if args.spec_type is None and cfg.spec_type == "none":
-        log.info("no drafter for -m %s: plain decoding (pass -md PATH to draft with DFlash)", args.model)
+    if cfg.spec_type == "none":
+        log.info("mode: plain decoding, no drafting (pass -md PATH or --spec-type dflash|hybrid|ngram to draft)")
+    else:
+        log.info("mode: speculative decoding, --spec-type %s, drafter %s, up to %d draft tokens per step",
+                 cfg.spec_type, cfg.draft_model or ("prompt lookup" if cfg.spec_type == "ngram" else "(shipped)"),
+                 cfg.n_draft)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -216,15 +267,45 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True  # llama-server exits when the model does not load
 
+    hosts = _csv(args.host) or ["127.0.0.1"]
+    try:  # bind before loading: a taken port or a bad address fails at once
+        sockets = [_bind(host, args.port) for host in hosts]
+    except OSError as e:
+        log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
+        return 1
     app = create_app(load, settings, on_load_failed=on_load_failed)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+    config = uvicorn.Config(app, log_level="warning" if args.log_disable else "info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     _exit_cleanly_on_sigterm(server)
-    log.info("listening on http://%s:%d (model loads in the background; /health is 503 until ready)",
-             args.host, args.port)
-    server.run()
+    for host in hosts:
+        log.info("listening on http://%s:%d (model loads in the background; /health is 503 until ready)",
+                 f"[{host}]" if ":" in host else host, args.port)
+    server.run(sockets=sockets)
     return 1 if failed else 0
+
+
+def _bind(host: str, port: int):
+    """A listening TCP socket on ``host`` (IPv4 or IPv6 literal or name) and ``port``.
+
+    Raises:
+        OSError: the address is unknown, taken, or not on this machine.
+    """
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # "127.0.0.1,::1": each socket serves its own family
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _exit_cleanly_on_sigterm(server) -> None:
@@ -245,9 +326,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _setup_logging(timestamps: bool, prefix: bool) -> None:
+def _setup_logging(timestamps: bool, prefix: bool, verbose: bool = False, quiet: bool = False,
+                   log_file: str | None = None) -> None:
     fmt = ("%(asctime)s " if timestamps else "") + ("%(levelname).1s " if prefix else "") + "%(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level, format=fmt, handlers=handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:

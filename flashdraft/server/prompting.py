@@ -3,15 +3,19 @@
 Runs on the event-loop thread while the worker decodes on its own thread, so it uses its
 own copy of the tokenizer: a Rust fast tokenizer may refuse concurrent use from two
 threads ("Already borrowed") when one call changes its padding/truncation state.
-The encoding rules are the target's (:meth:`flashdraft.target.Target.encode`: no special
-tokens added; special-token strings in the text are parsed as special tokens), so the
-server and ``flashdraft generate`` give the same ids for the same text.
+Raw prompts (``/completion``, ``/v1/completions``, ``/tokenize``) follow the target's
+encoding (:meth:`flashdraft.target.Target.encode`: no special tokens added; special-token
+strings in the text are parsed as special tokens, llama-server's ``parse_special``), so the
+server and ``flashdraft generate`` give the same ids for the same text. Chat messages are
+different: only the template's markup may become special tokens, message content is always
+plain text (:mod:`.chat_templates`), so no message can speak as another role.
 """
 
 from __future__ import annotations
 
 import copy
 
+from flashdraft.server import chat_templates
 from flashdraft.server.errors import bad_request
 from flashdraft.server.schemas import ChatMessage
 from flashdraft.target import Target
@@ -27,21 +31,35 @@ class PromptBuilder:
         target: the loaded target (only its tokenizer and vocabulary size are used).
         template_kwargs: variables every chat template render gets (e.g.
             ``{"enable_thinking": False}`` from ``--reasoning off``).
+        template: ``(kind, value)`` from :func:`~flashdraft.server.chat_templates.resolve_template`:
+            the model's Jinja template (default), a given one, or a built-in format.
     """
 
-    def __init__(self, target: Target, template_kwargs: dict | None = None):
+    def __init__(self, target: Target, template_kwargs: dict | None = None,
+                 template: tuple[str, str | None] = ("jinja", None)):
         self.tokenizer = copy.deepcopy(target.tokenizer)
         self.vocab_size = target.vocab_size
         self.template_kwargs = dict(template_kwargs or {})
+        model_template = getattr(self.tokenizer, "chat_template", None)
+        model_template = model_template if isinstance(model_template, str) else None
+        kind, value = template
+        if kind == "builtin":
+            self.builtin: str | None = value or chat_templates.detect_builtin(model_template)
+            self.jinja: str | None = None
+        else:
+            self.builtin, self.jinja = None, value or model_template
+        self.special_tokens = [t for t in getattr(self.tokenizer, "all_special_tokens", []) if t]
+        self.special_tokens += [t.content for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+                                if getattr(t, "special", False) and t.content not in self.special_tokens]
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.builtin is not None or bool(self.jinja)
 
     @property
     def chat_template(self) -> str | None:
-        t = getattr(self.tokenizer, "chat_template", None)
-        return t if isinstance(t, str) else None
+        """The Jinja template in use, or the built-in format's name."""
+        return self.jinja if self.builtin is None else self.builtin
 
     def chat(self, messages: list[ChatMessage], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template + the assistant prefix.
@@ -55,11 +73,29 @@ class PromptBuilder:
                               "with a plain prompt", param="messages")
         rendered = [{"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in messages]
         kwargs = {**self.template_kwargs, **(template_kwargs or {})}
-        try:
-            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
-        except Exception as e:  # jinja2 TemplateError from raise_exception(...) in the template
-            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
-        return self.encode(text)
+        if self.builtin is not None:
+            segments = chat_templates.BUILTIN[self.builtin](rendered, True)
+        else:
+            try:
+                text = self.tokenizer.apply_chat_template(rendered, chat_template=self.jinja, tokenize=False,
+                                                          add_generation_prompt=True, **kwargs)
+            except Exception as e:  # jinja2 TemplateError from raise_exception(...) in the template
+                raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+            segments, missing = chat_templates.split_contents(text, [m["content"] for m in rendered])
+            for i in missing:  # rewritten by the template: only safe without special-token text
+                if any(tok in rendered[i]["content"] for tok in self.special_tokens):
+                    raise bad_request(f"messages[{i}]: the chat template rewrites this message's content, so the "
+                                      "special-token text in it could not be kept as plain text; remove it",
+                                      param="messages")
+        return self.encode_segments(segments)
+
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Ids of rendered chat segments: markup with special-token parsing, content without."""
+        ids: list[int] = []
+        for text, is_content in segments:
+            if text:
+                ids += self.tokenizer(text, add_special_tokens=False, split_special_tokens=is_content)["input_ids"]
+        return ids
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of ``text`` (``add_special``: add BOS/EOS the tokenizer would add)."""

@@ -44,10 +44,12 @@ class SamplingFields(_Strict):
     seed: int | None = Field(None, ge=-1, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
-    ignore_eos: bool = False
+    #: None = the server's default (``--ignore-eos``)
+    ignore_eos: bool | None = None
     model: str | None = None
-    #: llama-server's prompt cache: reuse the slot's caches for the common prefix
-    cache_prompt: bool = True
+    #: llama-server's prompt cache: reuse the slot's caches for the common prefix (None =
+    #: the server's default, on unless ``--no-cache-prompt``)
+    cache_prompt: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -190,7 +192,6 @@ class LlamaCompletionRequest(SamplingFields):
 
     prompt: str | list[int]
     n_predict: int = Field(-1, ge=-1)
-    cache_prompt: bool = True  # accepted for compatibility; there is no prompt cache yet
 
     @field_validator("n_predict")
     @classmethod

@@ -24,6 +24,16 @@ MIN_TOP_P = 1e-6
 
 
 @dataclass
+class CorsSettings:
+    """``--cors-origins/-methods/-headers/-credentials`` (Starlette's CORS middleware)."""
+
+    origins: list[str] = field(default_factory=lambda: ["*"])
+    methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
+    headers: list[str] = field(default_factory=lambda: ["*"])
+    credentials: bool = False
+
+
+@dataclass
 class ServerSettings:
     """Server-wide defaults and switches (from ``flashdraft serve`` flags).
 
@@ -35,7 +45,8 @@ class ServerSettings:
         alias: model id reported by ``/v1/models`` (``--alias``); None = the model's name.
         model_path: ``-m`` as given (also accepted as a request ``model``).
         spec_type: drafter kind, for ``/props``.
-        n_predict: server cap on new tokens (``-n``); -1 = none (until EOS or context end).
+        n_predict: new tokens for requests that set no limit (``-n``); -1 = until EOS or the
+            context end. A request's own limit wins, as in llama-server.
         metrics: expose ``/metrics``.
         api_key: required Bearer token, or None.
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
@@ -43,6 +54,12 @@ class ServerSettings:
         max_body_bytes: larger request bodies get 413.
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
+        cache_prompt: the prompt cache for requests that do not say (``--no-cache-prompt``: off).
+        ignore_eos: the default of the request field (``--ignore-eos``).
+        chat_template_kwargs: template variables for every request (``--chat-template-kwargs``).
+        cors: CORS answers for browsers on other origins.
+        chat_template: ``(kind, value)`` from ``--jinja/--no-jinja/--chat-template(-file)``
+            (:func:`~flashdraft.server.chat_templates.resolve_template`).
         shutdown_grace_s: after SIGTERM, how long the running request may go on before it
             is ended with a 503 / an ``error`` event; kept below uvicorn's graceful-shutdown
             timeout (5 s in ``flashdraft serve``) so the clean end wins over a cut connection.
@@ -64,11 +81,17 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     webui: bool = True
     slots_endpoint: bool = True
+    chat_template: tuple = ("jinja", None)
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+    cors: CorsSettings = field(default_factory=CorsSettings)
     shutdown_grace_s: float = 3.0
 
     def template_kwargs(self) -> dict:
-        """Chat-template variables implied by ``--reasoning``."""
-        return {} if self.reasoning == "auto" else {"enable_thinking": self.reasoning == "on"}
+        """Chat-template variables from ``--chat-template-kwargs`` and ``--reasoning``."""
+        reasoning = {} if self.reasoning == "auto" else {"enable_thinking": self.reasoning == "on"}
+        return {**self.chat_template_kwargs, **reasoning}
 
 
 @dataclass
@@ -107,7 +130,7 @@ class ServerState:
     def set_ready(self, generator: SpeculativeGenerator) -> None:
         """Start the worker on ``generator`` and accept requests."""
         self.generator = generator
-        self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs())
+        self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs(), self.settings.chat_template)
         self.model_id = self.settings.alias or generator.target.name
         self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel)
         self.scheduler.start()
@@ -189,11 +212,16 @@ class ServerState:
         if max_tokens is not None and max_tokens > gen.ctx_size:
             raise bad_request(f"{limit_param}={max_tokens} is larger than the context size ({gen.ctx_size} tokens); "
                               f"use at most {gen.ctx_size - len(prompt_ids)} for this prompt", param=limit_param)
-        # a limit of "none" still ends at the context end (the loop stops there)
-        limits = [n for n in (max_tokens, self.settings.n_predict) if n is not None and n > 0]
-        limit = min(limits) if limits else gen.ctx_size - len(prompt_ids)
-        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(), req.ignore_eos,
-                             cache_prompt=req.cache_prompt)
+        # the request's limit wins; -n/--n-predict is only the default for requests that give
+        # none (llama-server); "none" still ends at the context end (the loop stops there)
+        room = gen.ctx_size - len(prompt_ids)
+        if max_tokens is None or max_tokens < 0:
+            max_tokens = self.settings.n_predict
+        limit = min(max_tokens, room) if max_tokens is not None and max_tokens > 0 else room
+        s = self.settings
+        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(),
+                             s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
+                             cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.

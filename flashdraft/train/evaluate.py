@@ -283,6 +283,8 @@ def run(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     params = [SamplingParams(temperature=t, seed=args.seed) for t in args.temperature]  # validates T
     prompts = load_prompt_set(args.dataset, args.limit)
+    if args.spec_type is None and not args.model:  # eval measures a drafter: the shipped one by default
+        args.spec_type = "dflash"
     cfg = engine_config(args)
     if cfg.spec_type == "none":
         raise ValueError("flashdraft eval measures a drafter: pass -md PATH (a DFlash drafter for this target) "

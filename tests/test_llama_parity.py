@@ -1,0 +1,144 @@
+"""llama-server parity of ``flashdraft serve``: its flags, CORS, ``/slots``; the tiny in-process server.
+
+(Shapes of the generation endpoints are tested against the real model in ``test_server.py``.)
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from inproc import new_generator, serve
+
+from flashdraft.server import llama_flags
+from flashdraft.server.cli import build_parser, engine_config_from_args, ignored_flags, main, settings_from_args
+from flashdraft.server.state import CorsSettings
+
+#: the flags that ended the process before (llama-server accepts them all)
+LLAMA_ONLY = ("--no-jinja --no-slots --offline --verbose --chat-template chatml --chat-template-file {tpl} "
+              "--context-shift --no-ui --tags a,b --cors-origins http://a.test --tools all --ui-mcp-proxy "
+              "--media-path /tmp --backend_sampling --embedding --reranking --pooling mean --slot-save-path /tmp "
+              "--swa-full --models-max 4 --no-models-autoload --spec-synth-rates 0.8,0.6 --no-webui")
+
+
+def test_llama_server_flags_parse_and_take_effect(tmp_path):
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = build_parser().parse_args(LLAMA_ONLY.format(tpl=tpl).split())
+    s = settings_from_args(args)
+    assert s.chat_template == ("jinja", tpl.read_text())  # the file wins over --chat-template
+    assert (s.slots_endpoint, s.webui, args.verbose) == (False, False, True)
+    assert s.cors.origins == ["http://a.test"]
+    assert set(ignored_flags(args)) == {
+        "--offline", "--context-shift", "--tags a,b", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
+        "--backend_sampling", "--embedding", "--reranking", "--pooling mean", "--slot-save-path /tmp",
+        "--swa-full", "--models-max 4", "--no-models-autoload", "--spec-synth-rates 0.8,0.6"}
+    assert settings_from_args(build_parser().parse_args(["--no-jinja"])).chat_template == ("builtin", None)
+    assert settings_from_args(build_parser().parse_args(["--chat-template", "llama3"])).chat_template == (
+        "builtin", "llama3")
+
+
+@pytest.mark.parametrize("given,ours", [("draft-simple", "draft"), ("draft-dflash", "dflash"),
+                                        ("ngram-simple", "ngram"), ("ngram-map-k", "ngram"), ("ngram-mod", "ngram"),
+                                        ("draft-dflash,ngram-simple", "hybrid"), ("dflash", "dflash"),
+                                        ("none", "none")])
+def test_llama_cpp_spec_type_names(given, ours):
+    args = build_parser().parse_args(["--spec-type", given, "-md", "d.gguf"])
+    assert engine_config_from_args(args).spec_type == ours
+
+
+def test_unknown_spec_type_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--spec-type", "draft-eagle3"])
+    assert e.value.code == 2 and "draft-dflash" in capsys.readouterr().err
+
+
+def test_answer_changing_flags_are_refused_by_name_unless_neutral(caplog):
+    neutral = build_parser().parse_args("--repeat-penalty 1.0 --presence-penalty 0.0 --mirostat 0".split())
+    assert llama_flags.refused(neutral) == []
+    for flags, name in ((["--lora", "a.gguf"], "--lora"), (["--repeat-penalty", "1.1"], "--repeat-penalty"),
+                        (["-hf", "org/model"], "-hf"), (["--grammar", "root ::= x"], "--grammar")):
+        caplog.clear()
+        assert main(["--port", "1", *flags]) == 1  # before binding or loading
+        assert any(r.getMessage().startswith(name) and "not supported" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_template_and_key_files_end_the_start_with_a_message(caplog, tmp_path):
+    for flags, words in ((["--chat-template-file", str(tmp_path / "none.jinja")], "chat-template-file"),
+                         (["--chat-template", "not-a-template"], "neither a built-in"),
+                         (["--api-key-file", str(tmp_path / "none.txt")], "api-key-file"),
+                         (["--chat-template-kwargs", "[1]"], "JSON object")):
+        caplog.clear()
+        assert main(["--port", "1", *flags]) == 1
+        assert any(words in r.getMessage() for r in caplog.records), flags
+
+
+def test_several_hosts_each_get_a_listening_socket():
+    from flashdraft.server.cli import _bind
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = ["127.0.0.1"]
+    if socket.has_ipv6:
+        try:
+            with socket.socket(socket.AF_INET6) as s6:
+                s6.bind(("::1", 0))
+            hosts.append("::1")
+        except OSError:
+            pass  # no IPv6 loopback on this machine: the IPv4 half still runs
+    socks = [_bind(h, port) for h in hosts]
+    try:
+        for h in hosts:
+            with socket.create_connection((h, port), timeout=5):
+                pass
+        with pytest.raises(OSError):
+            _bind("127.0.0.1", port)  # taken
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_cors_preflight_needs_no_key_and_every_answer_carries_the_headers():
+    with serve(new_generator(), api_key="k", cors=CorsSettings()) as url:
+        pre = httpx.options(url + "/v1/chat/completions", headers={
+            "Origin": "http://app.test", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] in ("*", "http://app.test")
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        denied = httpx.get(url + "/v1/models", headers={"Origin": "http://app.test"})
+        assert denied.status_code == 401 and "access-control-allow-origin" in denied.headers
+        ok = httpx.get(url + "/v1/models", headers={"Origin": "http://app.test", "Authorization": "Bearer k"})
+        assert ok.status_code == 200 and "access-control-allow-origin" in ok.headers
+
+
+def test_cors_origins_restrict():
+    with serve(new_generator(), cors=CorsSettings(origins=["http://good.test"])) as url:
+        good = httpx.get(url + "/health", headers={"Origin": "http://good.test"})
+        bad = httpx.get(url + "/health", headers={"Origin": "http://evil.test"})
+        assert good.headers.get("access-control-allow-origin") == "http://good.test"
+        assert "access-control-allow-origin" not in bad.headers
+
+
+def test_slots_endpoint_and_no_slots():
+    with serve(new_generator()) as url:
+        r = httpx.post(url + "/completion", json={"prompt": "t5 t9 t17", "n_predict": 4, "temperature": 0})
+        assert r.status_code == 200
+        slots = httpx.get(url + "/slots").json()
+        assert [s["id"] for s in slots] == [0] and slots[0]["n_cached"] == 3 + 4 - 1
+        assert slots[0]["n_ctx"] == 256 and slots[0]["is_processing"] is False
+    with serve(new_generator(), slots_endpoint=False) as url:
+        r = httpx.get(url + "/slots")
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_server_defaults_for_cache_prompt_and_ignore_eos():
+    with serve(new_generator(), cache_prompt=False) as url:
+        body = {"prompt": "t5 t9 t17 t3", "n_predict": 3, "temperature": 0}
+        httpx.post(url + "/completion", json=body)
+        again = httpx.post(url + "/completion", json=body).json()
+        assert again["timings"]["cache_n"] == 0
+        asked = httpx.post(url + "/completion", json={**body, "cache_prompt": True}).json()
+        assert asked["timings"]["cache_n"] == 3
