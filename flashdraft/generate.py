@@ -92,8 +92,11 @@ class Timings:
             "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
-            "predicted_per_second": round(1e3 * self.predicted_n / self.predicted_ms, 3) if self.predicted_ms else 0.0,
+            # the decode clock starts after the prefill gave the first token: n-1 tokens in
+            # predicted_ms (llama-server's rate)
+            "predicted_per_token_ms": round(self.predicted_ms / (self.predicted_n - 1), 3) if self.predicted_n > 1 else 0.0,
+            "predicted_per_second": (round(1e3 * (self.predicted_n - 1) / self.predicted_ms, 3)
+                                     if self.predicted_ms and self.predicted_n > 1 else 0.0),
         }
         if drafting:
             d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,

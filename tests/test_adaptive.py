@@ -291,8 +291,8 @@ def test_flags_and_metrics_gauge():
     m = ServerMetrics()
     m.observe_generation(Timings(predicted_n=9, n_steps=4, draft_depth_sum=7, draft_depth_last=3))
     text = m.render().decode()
-    assert "flashdraft_spec_draft_depth 3.0" in text
-    assert "flashdraft_spec_draft_depth_mean 2.3333" in text
+    assert "llamacpp:spec_draft_depth 3.0" in text
+    assert "llamacpp:spec_draft_depth_mean 2.3333" in text
 
 
 def test_hybrid_keeps_one_controller_per_source():

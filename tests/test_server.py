@@ -209,7 +209,8 @@ def test_openai_chat_non_stream_and_stream_agree(client):
     assert text and full.choices[0].finish_reason in ("stop", "length")
     timings = full.model_extra["timings"]
     assert full.usage.completion_tokens == timings["predicted_n"] > 0
-    assert full.usage.prompt_tokens == timings["prompt_n"]
+    assert full.usage.prompt_tokens == timings["prompt_n"] + timings["cache_n"]
+    assert full.system_fingerprint.startswith("flashdraft-")
     for key in ("prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_token_ms",
                 "predicted_per_second", "draft_n", "draft_n_accepted"):
         assert key in timings
@@ -219,10 +220,51 @@ def test_openai_chat_non_stream_and_stream_agree(client):
     assert streamed == text
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == full.choices[0].finish_reason
-    assert finish[0].model_extra["timings"]["predicted_n"] == timings["predicted_n"]
-    assert finish[0].usage.completion_tokens == full.usage.completion_tokens
-    last = chunks[-1]  # include_usage: OpenAI's extra chunk without choices
+    last = chunks[-1]  # the extra chunk without choices: usage and timings
     assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+    assert last.model_extra["timings"]["predicted_n"] == timings["predicted_n"]
+
+
+def test_chat_stream_shapes_like_llama_server(server):
+    """First chunk: role with ``content: null``; after the finish chunk, one with ``choices: []``
+    carrying usage and timings even without ``stream_options``."""
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["timings"]["predicted_n"] == 6
+    assert all(c["system_fingerprint"].startswith("flashdraft-") for c in chunks)
+
+
+def test_two_assistant_messages_at_the_end_are_a_400(server):
+    msgs = CHAT + [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+    assert "assistant messages at the end" in assert_error_shape(r, 400)["message"]
+
+
+def test_completion_tokens_only_when_asked(server):
+    body = {"prompt": COUNTING, "n_predict": 3, "temperature": 0}
+    assert post(server, "/completion", body).json()["tokens"] == []
+    assert len(post(server, "/completion", {**body, "return_tokens": True}).json()["tokens"]) == 3
+
+
+def test_predicted_per_second_counts_the_decoded_tokens(server):
+    t = post(server, "/completion", {"prompt": COUNTING, "n_predict": 8, "temperature": 0}).json()["timings"]
+    # the first token comes from the prefill (prompt_ms); predicted_ms covers the other n-1
+    assert t["predicted_per_second"] == pytest.approx(1e3 * (t["predicted_n"] - 1) / t["predicted_ms"], rel=1e-3)
+
+
+def test_props_model_path_and_tokenize_byte_pieces(server):
+    from flashdraft.target import default_model_path
+
+    assert httpx.get(server.url + "/props").json()["model_path"] == str(default_model_path())
+    pieces = post(server, "/tokenize", {"content": "a 😀", "with_pieces": True}).json()["tokens"]
+    as_bytes = [p["piece"] for p in pieces if isinstance(p["piece"], list)]
+    assert as_bytes and bytes(sum(as_bytes, [])).decode("utf-8").strip() == "😀"
 
 
 def test_openai_completions_non_stream_and_stream_agree(client):
@@ -238,11 +280,11 @@ def test_openai_completions_non_stream_and_stream_agree(client):
 
 
 def test_llama_completion_non_stream_and_stream_agree(server):
-    body = {"prompt": COUNTING, "n_predict": 12, "temperature": 0}
+    body = {"prompt": COUNTING, "n_predict": 12, "temperature": 0, "return_tokens": True}
     full = post(server, "/completion", body).json()
     assert full["stop"] is True and full["stop_type"] == "limit"
     assert full["tokens_predicted"] == full["timings"]["predicted_n"] == len(full["tokens"]) == 12
-    assert full["tokens_evaluated"] == full["timings"]["prompt_n"]
+    assert full["tokens_evaluated"] == full["timings"]["prompt_n"] + full["timings"]["cache_n"]
     with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         events = [json.loads(e) for e in sse_events(r)]
@@ -266,7 +308,8 @@ def test_stop_string_is_never_returned_or_counted(server, client):
     assert stop in full, full
     expected = full[: full.index(stop)]
 
-    r = post(server, "/completion", {"prompt": COUNTING, "n_predict": 24, "temperature": 0, "stop": [stop]}).json()
+    r = post(server, "/completion", {"prompt": COUNTING, "n_predict": 24, "temperature": 0, "stop": [stop],
+                                     "return_tokens": True}).json()
     assert r["content"] == expected
     assert (r["stop_type"], r["stopping_word"]) == ("word", stop)
     assert r["tokens_predicted"] == r["timings"]["predicted_n"] == len(r["tokens"]) < base["tokens_predicted"]
@@ -300,12 +343,19 @@ def test_metrics_count_exactly_what_was_returned(server):
     assert delta("llamacpp:prompt_tokens_total") == t["prompt_n"]
     assert delta("llamacpp:tokens_predicted_total") == t["predicted_n"] == 16
     assert delta("llamacpp:tokens_predicted_seconds_total") > 0
-    assert delta("spec_decode_num_draft_tokens_total") == t["draft_n"] > 0
-    assert delta("spec_decode_num_accepted_tokens_total") == t["draft_n_accepted"]
-    assert delta("spec_decode_num_drafts_total") >= 1
-    per_pos = sum(delta(k) for k in after if k.startswith("spec_decode_num_accepted_tokens_per_pos_total{"))
+    assert delta("llamacpp:spec_decode_num_draft_tokens_total") == t["draft_n"] > 0
+    assert delta("llamacpp:spec_decode_num_accepted_tokens_total") == t["draft_n_accepted"]
+    assert delta("llamacpp:spec_decode_num_drafts_total") >= 1
+    per_pos = sum(delta(k) for k in after if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total{"))
     assert per_pos == t["draft_n_accepted"]
     assert delta('flashdraft_requests_total{endpoint="completion",status="ok"}') == 1
+    assert delta("llamacpp:prompt_tokens_cached_total") == t["cache_n"]
+    assert delta("llamacpp:n_decode_total") >= 2  # the prefill, then verify steps
+    assert after["llamacpp:n_tokens_max"] >= t["prompt_n"] + t["cache_n"] + 16
+    assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:n_busy_slots_per_decode"] == 1.0
+    assert after["llamacpp:requests_processing"] == 0  # the answer was out: the job no longer counts
+    start = int(httpx.get(server.url + "/metrics").headers["Process-Start-Time-Unix"])
+    assert abs(start - time.time()) < 3600
 
 
 def test_client_disconnect_frees_the_slot(server):
@@ -381,7 +431,7 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(server, case
     if param is not None:
         assert err["param"] == param, err
     if "too-long" in name:
-        assert err["code"] == "context_length_exceeded"
+        assert err["code"] == "context_length_exceeded" and err["type"] == "exceed_context_size_error"
         assert str(CTX) in err["message"] and err["n_prompt_tokens"] > CTX
     ok = post(server, "/v1/chat/completions", chat(max_tokens=2, temperature=0))
     assert ok.status_code == 200, ok.text
@@ -407,7 +457,8 @@ def test_api_key_is_required_except_for_health(auth_server, path):
     method = "POST" if "completion" in path else "GET"
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.request(method, auth_server.url + path, headers=headers, json={"prompt": "x"})
-        assert assert_error_shape(r, 401)["code"] == "invalid_api_key"
+        err = assert_error_shape(r, 401)
+        assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error"
 
 
 def test_api_key_accepted_and_dflash_drafts(auth_server):

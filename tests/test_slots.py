@@ -243,7 +243,7 @@ def test_http_server_with_parallel_slots():
         assert httpx.get(url + "/props", timeout=30).json()["total_slots"] == 4
 
         def ask(prompt):
-            body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
             return httpx.post(url + "/completion", json=body, timeout=60).json()["tokens"]
 
         with ThreadPoolExecutor(4) as pool:

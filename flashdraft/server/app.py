@@ -82,7 +82,7 @@ class APIKeyMiddleware:
         if secrets.compare_digest(token, self.key):
             return await self.app(scope, receive, send)
         err = APIError(401, "Invalid API key: send 'Authorization: Bearer <key>' (the --api-key value)",
-                       code="invalid_api_key")
+                       type="authentication_error", code="invalid_api_key")
         response = err.response()
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
@@ -208,7 +208,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "default_generation_settings": {"n_ctx": g.ctx_size, "params": params},
             "total_slots": state.scheduler.n_slots,
             "model_alias": state.model_id,
-            "model_path": settings.model_path or g.target.name,
+            "model_path": _model_path(settings.model_path),
             "chat_template": state.prompts.chat_template or "",
             "modalities": {"vision": False, "audio": False},
             "speculative": {"type": settings.spec_type, "drafter": g.drafter.name, "n_max": g.n_draft,
@@ -234,8 +234,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         state.require_ready()
         req = parse_request(await completions.read_body(request, settings.max_body_bytes), TokenizeRequest)
         ids = state.prompts.encode(req.content, add_special=req.add_special)
-        if req.with_pieces:
-            return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece(i)} for i in ids]})
+        if req.with_pieces:  # a piece that is not whole UTF-8 is sent as its bytes, as llama-server does
+            return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece_or_bytes(i)} for i in ids]})
         return JSONResponse({"tokens": ids})
 
     @app.post("/detokenize")
@@ -253,7 +253,19 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if not settings.metrics:
             raise APIError(501, "This server does not support metrics endpoint. Start it with `--metrics`",
                            type="not_supported_error")
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE, headers=state.metrics.headers())
+
+
+def _model_path(given: str | None) -> str:
+    """``/props`` ``model_path``: the file served (the packaged GGUF when ``-m`` was not given)."""
+    if given:
+        return given
+    from flashdraft.target import default_model_path
+
+    try:
+        return str(default_model_path())
+    except Exception:  # noqa: BLE001 - the model loaded, so this is only a report
+        return ""
 
 
 def _document_request_bodies(app: FastAPI) -> None:

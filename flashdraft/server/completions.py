@@ -76,7 +76,7 @@ def failure(e: JobFailed | ServerShuttingDown) -> APIError:
     if isinstance(e, ServerShuttingDown):
         return shutting_down(e)
     if isinstance(e.error, ContextOverflowError):
-        return APIError(400, str(e.error), code="context_length_exceeded",
+        return APIError(400, str(e.error), type="exceed_context_size_error", code="context_length_exceeded",
                         extra={"n_prompt_tokens": e.error.n_prompt, "n_ctx": e.error.ctx_size})
     if isinstance(e.error, ValueError) and not e.after_output:
         return APIError(400, str(e.error))
@@ -126,37 +126,35 @@ class StreamFormat:
 class ChatStream(StreamFormat):
     """OpenAI ``chat.completion.chunk`` events ending in ``data: [DONE]``."""
 
-    def __init__(self, meta: R.ResponseMeta, include_usage: bool):
-        self.meta, self.include_usage = meta, include_usage
+    def __init__(self, meta: R.ResponseMeta):
+        self.meta = meta
 
     def start(self) -> list[bytes]:
-        return [R.sse(R.chat_chunk(self.meta, {"role": "assistant", "content": ""}))]
+        return [R.sse(R.chat_chunk(self.meta, {"role": "assistant", "content": None}))]
 
     def delta(self, step: Step) -> bytes | None:
         return R.sse(R.chat_chunk(self.meta, {"content": step.text})) if step.text else None
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         out = [self.delta(step)] if step.text else []
-        out.append(R.sse({**R.chat_chunk(self.meta, {}, c.finish_reason), **R.final_extras(c, timings)}))
-        if self.include_usage:
-            out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
+        out.append(R.sse(R.chat_chunk(self.meta, {}, c.finish_reason)))
+        out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
         return out + [R.SSE_DONE]
 
 
 class CompletionStream(StreamFormat):
     """OpenAI ``text_completion`` events ending in ``data: [DONE]``."""
 
-    def __init__(self, meta: R.ResponseMeta, include_usage: bool):
-        self.meta, self.include_usage = meta, include_usage
+    def __init__(self, meta: R.ResponseMeta):
+        self.meta = meta
 
     def delta(self, step: Step) -> bytes | None:
         return R.sse(R.completion_chunk(self.meta, step.text)) if step.text else None
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         out = [self.delta(step)] if step.text else []
-        out.append(R.sse({**R.completion_chunk(self.meta, "", c.finish_reason), **R.final_extras(c, timings)}))
-        if self.include_usage:
-            out.append(R.sse(R.usage_chunk(self.meta, "text_completion", c, timings)))
+        out.append(R.sse(R.completion_chunk(self.meta, "", c.finish_reason)))
+        out.append(R.sse(R.usage_chunk(self.meta, "text_completion", c, timings)))
         return out + [R.SSE_DONE]
 
 
@@ -164,15 +162,18 @@ class LlamaStream(StreamFormat):
     """llama-server ``/completion`` events: ``{"content", "tokens", "stop": false}`` chunks,
     then the full final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
 
-    def __init__(self, final: Callable[[R.Completion, dict], dict]):
-        self.final = final
+    def __init__(self, final: Callable[[R.Completion, dict], dict], return_tokens: bool = False):
+        self.final, self.return_tokens = final, return_tokens
 
     def delta(self, step: Step) -> bytes | None:
-        return R.sse(R.llama_chunk(step.text, step.token_ids)) if step.text or step.token_ids else None
+        if not (step.text or step.token_ids):
+            return None
+        return R.sse(R.llama_chunk(step.text, step.token_ids, self.return_tokens))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         # the last event carries only its own piece of text, like every other event
-        return [R.sse({**self.final(c, timings), "content": step.text, "tokens": step.token_ids})]
+        tokens = step.token_ids if self.return_tokens else []
+        return [R.sse({**self.final(c, timings), "content": step.text, "tokens": tokens})]
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -266,8 +267,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         meta = R.ResponseMeta.new("chatcmpl", model)
         ticket = state.submit(job)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await stream(request, "chat", ticket, ChatStream(meta, include_usage))
+            return await stream(request, "chat", ticket, ChatStream(meta))
         c = await run_to_end(request, ticket)
         return JSONResponse(R.chat_response(meta, c, timings_of(c)))
 
@@ -282,8 +282,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         meta = R.ResponseMeta.new("cmpl", model)
         ticket = state.submit(job)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await stream(request, "completions", ticket, CompletionStream(meta, include_usage))
+            return await stream(request, "completions", ticket, CompletionStream(meta))
         c = await run_to_end(request, ticket)
         return JSONResponse(R.completion_response(meta, c, timings_of(c)))
 
@@ -302,10 +301,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             settings = {"n_predict": req.n_predict, "temperature": p.temperature, "top_k": p.top_k,
                         "top_p": p.top_p, "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed,
                         "stop": stops, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
-            return R.llama_response(c, timings, model, len(ids), stop_type, word, settings)
+            return R.llama_response(c, timings, model, len(ids), stop_type, word, settings, req.return_tokens)
 
         ticket = state.submit(job)
         if req.stream:
-            return await stream(request, "completion", ticket, LlamaStream(final))
+            return await stream(request, "completion", ticket, LlamaStream(final, req.return_tokens))
         c = await run_to_end(request, ticket)
         return JSONResponse(final(c, timings_of(c)))

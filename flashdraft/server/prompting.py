@@ -127,3 +127,46 @@ class PromptBuilder:
     def piece(self, token_id: int) -> str:
         """The text of one token, special tokens included (for ``/tokenize`` pieces)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def piece_or_bytes(self, token_id: int) -> str | list[int]:
+        """:meth:`piece`, or the token's bytes as a list of ints when they are not whole
+        UTF-8 (a byte-level token holding part of a character)."""
+        raw = token_bytes(self.tokenizer, token_id)
+        if raw is None:
+            return self.piece(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(raw)
+        return self.piece(token_id)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, printable character -> byte (its published table)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """The raw bytes of one token: byte-level BPE (GPT-2 alphabet) or SentencePiece byte
+    fallback (``<0xE2>``); None when the vocabulary is neither (the decoded text is then exact)."""
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(token, str):
+        return None
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return bytes([int(token[3:5], 16)])
+        except ValueError:
+            return None
+    if token and all(ch in _BYTE_DECODER for ch in token):
+        return bytes(_BYTE_DECODER[ch] for ch in token)
+    return None

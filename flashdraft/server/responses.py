@@ -13,9 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+import flashdraft
 from flashdraft.generate import Timings
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: OpenAI's ``system_fingerprint``: which build answered (llama-server sends its build id)
+SYSTEM_FINGERPRINT = f"flashdraft-{flashdraft.__version__}"
 
 
 @dataclass
@@ -61,6 +64,7 @@ def chat_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
     """Non-streamed ``chat.completion``."""
     return {
         "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
                      "logprobs": None, "finish_reason": c.finish_reason}],
         "usage": usage(c.timings), "timings": timings,
@@ -70,6 +74,7 @@ def chat_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
 def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None) -> dict:
     """One streamed ``chat.completion.chunk``."""
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
 
@@ -79,6 +84,7 @@ def completion_response(meta: ResponseMeta, c: Completion, timings: dict) -> dic
     """Non-streamed ``text_completion``."""
     return {
         "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}],
         "usage": usage(c.timings), "timings": timings,
     }
@@ -87,18 +93,16 @@ def completion_response(meta: ResponseMeta, c: Completion, timings: dict) -> dic
 def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None) -> dict:
     """One streamed ``text_completion`` chunk."""
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def final_extras(c: Completion, timings: dict) -> dict:
-    """Fields the last streamed chunk adds (llama-server style): ``usage`` and ``timings``."""
-    return {"usage": usage(c.timings), "timings": timings}
-
-
 def usage_chunk(meta: ResponseMeta, obj: str, c: Completion, timings: dict) -> dict:
-    """OpenAI's extra last chunk for ``stream_options.include_usage``: no choices, usage."""
-    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
-            **final_extras(c, timings)}
+    """The stream's last chunk, after the one with ``finish_reason``: no choices, ``usage``
+    and ``timings`` (llama-server sends it with or without ``stream_options.include_usage``;
+    OpenAI's clients read usage from it)."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": usage(c.timings), "timings": timings}
 
 
 # -- /completion (llama-server) ------------------------------------------------------------
@@ -121,10 +125,11 @@ def stop_details(decode: Callable[[list[int]], str], c: Completion, stops: list[
 
 
 def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop_type: str,
-                   stopping_word: str, settings: dict) -> dict:
-    """Non-streamed (or final streamed) ``/completion`` body."""
+                   stopping_word: str, settings: dict, return_tokens: bool = False) -> dict:
+    """Non-streamed (or final streamed) ``/completion`` body; ``tokens`` is empty unless
+    ``return_tokens`` (llama-server's default)."""
     return {
-        "content": c.text, "tokens": c.token_ids, "id_slot": 0, "stop": True, "model": model,
+        "content": c.text, "tokens": c.token_ids if return_tokens else [], "id_slot": 0, "stop": True, "model": model,
         "tokens_predicted": c.timings.predicted_n, "tokens_evaluated": prompt_n,
         "generation_settings": settings, "has_new_line": "\n" in c.text, "truncated": False,
         "stop_type": stop_type, "stopping_word": stopping_word,
@@ -133,6 +138,6 @@ def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop
     }
 
 
-def llama_chunk(text: str, token_ids: list[int]) -> dict:
+def llama_chunk(text: str, token_ids: list[int], return_tokens: bool = False) -> dict:
     """One streamed ``/completion`` chunk (not the last)."""
-    return {"content": text, "tokens": token_ids, "stop": False, "id_slot": 0}
+    return {"content": text, "tokens": token_ids if return_tokens else [], "stop": False, "id_slot": 0}

@@ -154,6 +154,7 @@ class Scheduler:
         self.n_slots = n_slots
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
         self._current: Ticket | None = None
+        self._held = False  # -np 1: the running job is in the processing count
         self._running: set[Ticket] = set()  # -np > 1: tickets holding a slot
         self._slots: list[batch.Slot] = []  # -np > 1: made by the worker thread
         #: set by begin_shutdown: no new jobs; the running one must end by ``_deadline``
@@ -270,12 +271,21 @@ class Scheduler:
             self._current = ticket
             if self.metrics:
                 self.metrics.processing.inc()
+            self._held = True
             try:
                 self._run_one(ticket)
             finally:
                 self._current = None
-                if self.metrics:
-                    self.metrics.processing.dec()
+                self._release()
+
+    def _release(self) -> None:
+        """``-np 1``: leave the running count, once per job, before the job's last event is
+        delivered, so ``requests_processing`` reads 0 by the time its client has the answer."""
+        if self._held:
+            self._held = False
+            self._current = None
+            if self.metrics:
+                self.metrics.processing.dec()
 
     def _run_one(self, ticket: Ticket) -> None:
         job, delivered = ticket.job, False
@@ -287,16 +297,22 @@ class Scheduler:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
                                                 ignore_eos=job.ignore_eos, cancelled=stopped,
                                                 cache_prompt=job.cache_prompt):
-                if step.finish_reason is not None and self.metrics and step.timings is not None:
-                    self.metrics.observe_generation(step.timings)
+                if self.metrics:
+                    self.metrics.observe_decode(1)
+                if step.finish_reason is not None:
+                    if self.metrics and step.timings is not None:
+                        self.metrics.observe_generation(step.timings)
+                    self._release()
                 if not ticket.channel.put(step):
                     ticket.cancel()
                 delivered = True
         except Cancelled:
             # the client left (nobody reads this), or shutdown's grace period ran out
+            self._release()
             ticket.channel.put(_CANCELLED if ticket.cancelled else ServerShuttingDown())
         except Exception as e:  # one bad request must never kill the worker
             log.exception("generation failed")
+            self._release()
             ticket.channel.put(JobFailed(e, after_output=delivered))
 
     # -- worker thread, -np > 1 ------------------------------------------------------
@@ -315,6 +331,8 @@ class Scheduler:
             busy = [slot for slot in slots if not slot.free]
             if not busy:
                 continue
+            if self.metrics:
+                self.metrics.observe_decode(len(busy))
             for slot, result in zip(busy, batch.step_together(self.generator.target, [s.seq for s in busy])):
                 ticket = slot.owner
                 if isinstance(result, Exception):  # one bad request must never kill the worker
@@ -323,11 +341,12 @@ class Scheduler:
                     continue
                 if result.finish_reason is not None and self.metrics and result.timings is not None:
                     self.metrics.observe_generation(result.timings)
+                if slot.seq.done:  # out of the running count before the client gets its answer
+                    self._end(slot, result)
+                    continue
                 if not ticket.channel.put(result):
                     ticket.cancel()
                 slot.delivered = True
-                if slot.seq.done:
-                    self._end(slot, None)
 
     def _admit(self, slots: list[batch.Slot]) -> bool:
         """Start queued jobs in free slots; waits for one only when every slot is free.
@@ -362,10 +381,9 @@ class Scheduler:
         return True
 
     def _end(self, slot: batch.Slot, end: object | None) -> None:
-        """Free ``slot``; ``end`` (if not None) is the last event its ticket gets."""
+        """Free ``slot``; ``end`` (if not None) is the last event its ticket gets, delivered
+        after the slot has left the running count."""
         ticket = slot.owner
-        if end is not None:
-            ticket.channel.put(end)
         # a finished or cancelled sequence is between steps: its caches serve the next prompt;
         # after a failure they may be half-written, so the slot starts afresh
         slot.prompt_cache = None if isinstance(end, (JobFailed, ServerShuttingDown)) else slot.seq.leftover()
@@ -373,3 +391,5 @@ class Scheduler:
         self._running.discard(ticket)
         if self.metrics:
             self.metrics.processing.dec()
+        if end is not None:
+            ticket.channel.put(end)

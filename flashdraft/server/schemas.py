@@ -121,6 +121,13 @@ class ChatCompletionRequest(_OpenAIFields):
     #: extra variables for the chat template (e.g. ``enable_thinking``)
     chat_template_kwargs: dict | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _one_assistant_at_the_end(cls, v):
+        if len(v) >= 2 and v[-1].role == v[-2].role == "assistant":
+            raise ValueError("cannot have 2 or more assistant messages at the end of the list")
+        return v
+
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, v):
@@ -192,6 +199,8 @@ class LlamaCompletionRequest(SamplingFields):
 
     prompt: str | list[int]
     n_predict: int = Field(-1, ge=-1)
+    #: put the generated token ids in ``tokens`` (llama-server: off by default)
+    return_tokens: bool = False
 
     @field_validator("n_predict")
     @classmethod

@@ -204,7 +204,7 @@ class ServerState:
         try:
             gen.check_prompt(len(prompt_ids))
         except ContextOverflowError as e:
-            raise APIError(400, str(e), param=prompt_param,
+            raise APIError(400, str(e), type="exceed_context_size_error", param=prompt_param,
                            code="context_length_exceeded",
                            extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.ctx_size}) from None
         except ValueError as e:
