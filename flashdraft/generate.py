@@ -137,17 +137,38 @@ def common_prefix(cached: PromptCache | None, prompt_ids: list[int]) -> int:
 
 
 @dataclass
+class TokenLogprob:
+    """A returned token's log-probability under the target, and the most likely alternatives.
+
+    From the target's logits at that position (the verify forward's row when the token came
+    from a draft, the prefill's or the bonus row otherwise) after ``logit_bias``, before
+    temperature and the sampling filters: the same numbers whichever drafter ran.
+
+    Attributes:
+        token_id: the returned token.
+        logprob: its natural log-probability.
+        top: ``[(token_id, logprob)]``, the ``n_probs`` most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Step:
     """One increment of output.
 
     ``text``: new stream-safe text; ``token_ids``: newly returned tokens; ``finish_reason``
     is set ("stop" | "length") only on the last step, which also carries final timings.
+    ``logprobs``: one :class:`TokenLogprob` per token of ``token_ids`` when asked for (``n_probs``).
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     timings: Timings | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class SpeculativeGenerator:
@@ -202,7 +223,8 @@ class SpeculativeGenerator:
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
-                 cache_prompt: bool = False) -> Iterator[Step]:
+                 cache_prompt: bool = False, logit_bias: dict[int, float] | None = None,
+                 n_probs: int = 0) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
@@ -213,6 +235,7 @@ class SpeculativeGenerator:
         the previous call, and prefill only what follows the longest common prefix
         (llama-server's ``cache_prompt``; multi-turn chat then prefills the new turn only).
         Whatever the flag, a call that ends (finished or cancelled) leaves its caches there.
+        ``logit_bias`` / ``n_probs``: as :class:`Sequence`.
 
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
@@ -221,7 +244,7 @@ class SpeculativeGenerator:
         """
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
         seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
-                       reuse=cached if cache_prompt else None)
+                       reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs)
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
                 self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree
@@ -253,6 +276,11 @@ class Sequence:
         reuse: the caches the previous sequence of this drafter left (:meth:`leftover`);
             the prompt's longest common prefix with them is not prefilled again. None =
             fresh caches.
+        logit_bias: ``{token_id: bias}`` added to the target's logits at every position
+            before anything reads them (``-inf`` bans a token). Verification then accepts
+            exactly what the biased target would produce, at T=0 and T>0 alike.
+        n_probs: return the log-probabilities of each returned token and of the
+            ``n_probs`` most likely tokens at its position (:class:`TokenLogprob`); 0 = none.
     Raises:
         ContextOverflowError: prompt too long for ``ctx_size``.
         ValueError: ``max_tokens < 1`` or an empty prompt.
@@ -261,7 +289,8 @@ class Sequence:
     def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,
                  params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, drafter: Drafter | None = None,
-                 controller: ProfitController | None = None, reuse: PromptCache | None = None):
+                 controller: ProfitController | None = None, reuse: PromptCache | None = None,
+                 logit_bias: dict[int, float] | None = None, n_probs: int = 0):
         generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -289,6 +318,11 @@ class Sequence:
             self.cache = target.new_cache(kv=generator.kv)
         self.n_cached = n_cached
         self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
+        self.bias = None
+        if logit_bias:
+            self.bias = (torch.tensor(list(logit_bias), dtype=torch.long),
+                         torch.tensor(list(logit_bias.values()), dtype=torch.float32))
+        self.n_probs = n_probs
         if self.controller is not None:
             self.controller.start_request()
         # filled by prepare() for finish(): this step's drafts, depth and start time
@@ -332,9 +366,15 @@ class Sequence:
     def finish(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         """Consume the forward of :meth:`prepare`'s input: ``logits [T - logits_from, V]``,
         ``features [T, F]`` or None. Returns the step's output (``finish_reason`` set on the last)."""
-        if not self.prefilled:
-            return self._finish_prefill(logits, features)
-        return self._finish_verify(logits, features)
+        if self.bias is not None:  # before the first read: every rule sees the biased target
+            ids, values = self.bias
+            logits[:, ids] += values
+        step = self._finish_prefill(logits, features) if not self.prefilled else self._finish_verify(logits, features)
+        if self.n_probs and step.token_ids:
+            # row i of the forward chose returned token i (prefill: its one row; verify: the
+            # anchor's row, then one per accepted draft, the last giving the bonus token)
+            step.logprobs = token_logprobs(logits[: len(step.token_ids)], step.token_ids, self.n_probs)
+        return step
 
     def _finish_prefill(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         # the first token; the prompt's features become the drafter's context
@@ -402,6 +442,15 @@ class Sequence:
         self._ctrl = ctrl
         depth = min(cap, ctrl.choose())  # choose() first: it may move the standing depth
         return depth, min(cap, ctrl.depth)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int) -> list[TokenLogprob]:
+    """:class:`TokenLogprob` of ``token_ids[i]`` from row i of ``logits [len(token_ids), V]``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+    top_v, top_i = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
+    return [TokenLogprob(tok, c, list(zip(ids, vals)))
+            for tok, c, ids, vals in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
 
 
 def _count_positions(t: Timings, n: int, n_acc: int) -> None:

@@ -208,11 +208,13 @@ class Client:
                     out.status, out.detail = "error", f"error event: {ev['error']}"
                     return
                 events += 1
+                if not ev["choices"]:  # the last chunk (after the finish chunk): usage and timings
+                    usage_n, timings_n = ev["usage"]["completion_tokens"], ev["timings"]["predicted_n"]
+                    continue
                 choice = ev["choices"][0]
                 parts.append(choice["delta"].get("content") or "")
                 if choice["finish_reason"] is not None:
                     finishes += 1
-                    usage_n, timings_n = ev["usage"]["completion_tokens"], ev["timings"]["predicted_n"]
                 if keep_events is not None and events >= keep_events:
                     return  # leaving mid-stream on purpose: closing the response drops the connection
         if keep_events is not None:

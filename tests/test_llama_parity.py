@@ -142,3 +142,37 @@ def test_server_defaults_for_cache_prompt_and_ignore_eos():
         assert again["timings"]["cache_n"] == 0
         asked = httpx.post(url + "/completion", json={**body, "cache_prompt": True}).json()
         assert asked["timings"]["cache_n"] == 3
+
+
+def test_prompt_forms_batches_mixed_and_objects():
+    with serve(new_generator()) as url:
+        def completion(prompt, **kw):
+            return httpx.post(url + "/completion", timeout=60,
+                              json={"prompt": prompt, "n_predict": 4, "temperature": 0, **kw})
+
+        one = [completion(p).json()["content"] for p in ("t5 t9 t17", "t3 t4")]
+        batch = completion(["t5 t9 t17", "t3 t4"]).json()
+        assert [r["index"] for r in batch] == [0, 1] and [r["content"] for r in batch] == one
+        assert [r["content"] for r in completion([[5, 9, 17], {"prompt_string": "t3 t4"}]).json()] == one
+        assert completion([5, " t9", 17]).json()["content"] == one[0]  # ids mixed with text: one prompt
+        assert completion({"prompt_string": "t5 t9 t17"}).json()["content"] == one[0]
+        oai = httpx.post(url + "/v1/completions", timeout=60,
+                         json={"prompt": ["t5 t9 t17", [3, 4]], "max_tokens": 4, "temperature": 0}).json()
+        assert [c["text"] for c in oai["choices"]] == one and [c["index"] for c in oai["choices"]] == [0, 1]
+        assert oai["usage"]["completion_tokens"] == sum(c["timings"]["predicted_n"] for c in oai["choices"])
+        for bad, words in (({"prompt_string": 1}, "prompt_string"),
+                           ({"prompt_string": "x", "multimodal_data": ["aGk="]}, "multimodal"),
+                           (["t1"] * 65, "at most 64"), ([], "non-empty"), ([["t1", 2.5]], "prompt[0]")):
+            r = completion(bad)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
+        r = completion(["t5", "t6"], stream=True)
+        assert r.status_code == 400 and "one prompt" in r.json()["error"]["message"]
+        r = completion(["t5", [70000]])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+        assert completion("t5").status_code == 200  # still serving
+
+
+def test_context_is_split_across_slots():
+    args = build_parser().parse_args(["-c", "4096", "-np", "4"])
+    assert engine_config_from_args(args).ctx_size == 1024
+    assert engine_config_from_args(build_parser().parse_args(["-c", "4096"])).ctx_size == 4096

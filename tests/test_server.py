@@ -594,3 +594,67 @@ def test_n_predict_is_the_default_for_requests_without_a_limit_not_a_cap():
     unlimited = ServerState(ServerSettings(n_predict=-1))
     unlimited.generator = state.generator
     assert unlimited.make_job([1, 2, 3], None, req).max_tokens == 97
+
+
+# -- logprobs, logit_bias, fields the engine does not implement ------------------------------
+
+def test_chat_logprobs_stream_and_not(client):
+    kw = dict(model=ALIAS, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 8
+    assert "".join(e.token for e in content) == full.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token  # greedy: the answer is the most likely token
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token or "\ufffd" in e.token
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_probabilities_are_the_same_with_and_without_drafting(server, auth_server):
+    """The ngram server and the DFlash server give the same tokens and log-probabilities."""
+    body = {"prompt": COUNTING, "n_predict": 10, "temperature": 0, "n_probs": 2}
+    a = post(server, "/completion", body).json()
+    b = httpx.post(auth_server.url + "/completion", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert a["timings"]["draft_n"] > 0 and b["timings"]["draft_n"] > 0
+    pa, pb = a["completion_probabilities"], b["completion_probabilities"]
+    assert len(pa) == len(pb) == 10
+    for x, y in zip(pa, pb):
+        assert x["id"] == y["id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-3)
+        assert [t["id"] for t in x["top_logprobs"]] == [t["id"] for t in y["top_logprobs"]]
+    oai = post(server, "/v1/completions", {"prompt": COUNTING, "max_tokens": 4, "temperature": 0, "logprobs": 2}).json()
+    lp = oai["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert "".join(lp["tokens"]) == oai["choices"][0]["text"] and lp["text_offset"][0] == 0
+
+
+def test_logit_bias_in_every_form(server):
+    body = {"prompt": COUNTING, "n_predict": 6, "temperature": 0, "return_tokens": True}
+    base = post(server, "/completion", body).json()
+    first = base["tokens"][0]
+    for bias in ([[first, False]], {str(first): -100}, [[base["content"][:2], False]]):
+        r = post(server, "/completion", {**body, "logit_bias": bias}).json()
+        assert first not in r["tokens"] and r["content"] != base["content"], bias
+    boosted = post(server, "/completion", {**body, "n_predict": 3, "logit_bias": {"28": 100}}).json()
+    assert boosted["tokens"] == [28, 28, 28]
+    for bad in ({"99999999": 1}, [[1, "x"]], [[1]], {"a": 1}):
+        assert_error_shape(post(server, "/completion", {**body, "logit_bias": bad}), 400)
+
+
+@pytest.mark.parametrize("fields,ok", [({"repeat_penalty": 1.0, "user": "me", "id_slot": 0}, True),
+                                       ({"repeat_penalty": 1.1}, False), ({"frequency_penalty": 0.5}, False),
+                                       ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+                                       ({"response_format": {"type": "json_object"}}, False),
+                                       ({"frobnicate": 1}, False), ({"tools": [], "tool_choice": "auto"}, True)])
+def test_fields_that_would_change_the_answer_are_refused_by_name(server, fields, ok):
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "temperature": 0, **fields})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        err = assert_error_shape(r, 400)
+        assert err["param"] in fields and err["code"] == "unsupported_field"

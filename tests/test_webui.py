@@ -2,13 +2,17 @@
 Playwright; no browser is ever downloaded).
 
 The server is ours, in a thread, on the tiny random target (see ``inproc.py``) with a pause
-between steps so that streaming and the stop button can be watched. Skipped, with the
-reason, only where Chromium or Playwright is not installed (``.ci/run`` installs both).
+between steps so that streaming and the stop button can be watched. The tiny model only
+says random token words, so the Markdown tests answer from the browser's side instead:
+Playwright intercepts ``/v1/chat/completions`` and replies with a hand-written stream in
+the server's shape. Skipped, with the reason, only where Chromium or Playwright is not
+installed (``.ci/run`` installs both).
 """
 
 from __future__ import annotations
 
-import fnmatch
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,6 +28,11 @@ from flashdraft.server import webui
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "flashdraft" / "server" / "static"
+VENDOR = STATIC / "vendor"
+#: the versions scripts/vendor_webui.sh pins; VENDOR.json must say the same
+PINS = {"marked": "18.2.1", "dompurify": "3.5.0", "@highlightjs/cdn-assets": "11.12.0"}
+MEDIA = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
+         ".LICENSE": "text/plain; charset=utf-8", ".json": "application/json"}
 CHROMIUM = os.environ.get("FLASHDRAFT_CHROMIUM", "/usr/bin/chromium")
 #: the flags that keep Chromium from phoning home on a machine without a network
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -69,8 +78,8 @@ def browser():
 def page(browser, server):
     """A fresh page on the chat UI; fails the test on any console error (a CSP violation,
     a script error, a request to somewhere else) except the browser's note of a 4xx answer,
-    which the error test causes on purpose."""
-    context = browser.new_context()
+    which the error test causes on purpose. The clipboard is open to it, for the Copy tests."""
+    context = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
     p = context.new_page()
     problems: list[str] = []
 
@@ -99,20 +108,58 @@ def expect():
     return _expect
 
 
+def sse(text: str, pieces: int = 4) -> str:
+    """``text`` as the server streams it: content deltas (cut mid-word, mid-fence), then the
+    chunk with no choices that carries usage and timings, then ``[DONE]``."""
+    step = max(1, -(-len(text) // pieces))
+    chunks = [{"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": text[i:i + step]}, "finish_reason": None}]}
+        for i in range(0, len(text), step)]
+    chunks.append({"object": "chat.completion.chunk", "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10},
+                   "timings": {"prompt_n": 3, "prompt_ms": 1.0, "predicted_n": 7, "predicted_ms": 10.0,
+                               "predicted_per_second": 700.0, "draft_n": 4, "draft_n_accepted": 2,
+                               "acceptance_length": 1.5}})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def answer_with(page, text: str, sent: list | None = None):
+    """Make every chat request of ``page`` answer ``text``; appends each request's body to
+    ``sent`` when given."""
+    def reply(route) -> None:
+        if sent is not None:
+            sent.append(route.request.post_data_json)
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=sse(text))
+
+    page.route("**/v1/chat/completions", reply)
+
+
+def ask(page, prompt: str = "t1"):
+    """Send ``prompt``; returns the answer's locator once it is done."""
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    answer = page.locator(".msg.assistant").last
+    expect()(answer).to_have_class(re.compile(r"\bdone\b"), timeout=20_000)
+    return answer
+
+
 # -- the files -------------------------------------------------------------------------------
 
 def test_page_and_assets_are_served_offline(server):
     url = server[0]
     r = httpx.get(url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert "default-src 'self'" in r.headers["content-security-policy"]
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "unsafe-" not in csp
     for name, media in webui.FILES.items():
         f = httpx.get(f"{url}/static/{name}")
         assert f.status_code == 200 and f.headers["content-type"] == media
         assert f.content == (STATIC / name).read_bytes()
         # nothing loaded from another host (no CDN): no absolute URLs in src/href/fetch
-        assert not re.search(r"""(src|href|fetch\()\s*=?\s*["']https?://""", f.text), name
-    for bad in ("/static/nope.js", "/static/..%2Fapp.py", "/static/"):
+        if not name.startswith("vendor/"):  # the libraries' own text is checked by its hash
+            assert not re.search(r"""(src|href|fetch\()\s*=?\s*["']https?://""", f.text), name
+    for bad in ("/static/nope.js", "/static/..%2Fapp.py", "/static/", "/static/vendor/",
+                "/static/vendor/marked.umd.js.map", "/static/vendor/nope.js"):
         r = httpx.get(url + bad)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", bad
 
@@ -125,14 +172,37 @@ def test_page_can_be_turned_off():
 
 
 def test_package_data_ships_every_page_file():
-    """An installed (non-editable) wheel carries the page: pyproject's package-data globs
-    cover every file in static/, and the server serves exactly those files."""
+    """An installed (non-editable) wheel carries the page: pyproject's package-data globs,
+    expanded as setuptools does (from the package folder, ``*`` within one folder), cover
+    every file under static/, vendor/ included, and the server serves exactly those files."""
+    package = ROOT / "flashdraft"
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flashdraft"]
-    files = sorted(p.relative_to(ROOT / "flashdraft").as_posix() for p in STATIC.rglob("*") if p.is_file())
-    assert files, "static/ is empty"
-    for f in files:
-        assert any(fnmatch.fnmatch(f, g) and "/" not in f[len("server/static/"):] for g in globs), f
-    assert set(webui.FILES) == {Path(f).name for f in files}
+    shipped = {p for g in globs for p in package.glob(g) if p.is_file()}
+    files = sorted(p for p in STATIC.rglob("*") if p.is_file())
+    assert any(p.parent == STATIC for p in files) and any(p.parent == VENDOR for p in files)
+    assert not [p.relative_to(package).as_posix() for p in files if p not in shipped]
+    assert set(webui.FILES) == {p.relative_to(STATIC).as_posix() for p in files}
+
+
+def test_vendored_libraries_match_their_manifest(server):
+    """The checked-in libraries are the pinned releases, byte for byte (VENDOR.json holds the
+    sha256 of what scripts/vendor_webui.sh copied), each package's licence ships with them,
+    and the page loads them from this server with the right media types."""
+    url = server[0]
+    manifest = json.loads((VENDOR / "VENDOR.json").read_text())["files"]
+    assert {p.name for p in VENDOR.iterdir()} == set(manifest) | {"VENDOR.json"}
+    for name, entry in manifest.items():
+        assert entry["version"] == PINS[entry["package"]], name
+        data = (VENDOR / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], f"{name} differs from {entry}"
+        r = httpx.get(f"{url}/static/vendor/{name}")
+        assert r.status_code == 200 and r.content == data, name
+        assert r.headers["content-type"] == MEDIA[Path(name).suffix], name
+        assert r.headers["x-content-type-options"] == "nosniff"
+    assert {e["package"] for e in manifest.values() if e["source"] == "LICENSE"} == set(PINS)
+    page = httpx.get(url + "/").text
+    for name in ("purify.min.js", "marked.umd.js", "highlight.min.js", "github.min.css"):
+        assert f'"/static/vendor/{name}"' in page, name
 
 
 # -- in the browser ----------------------------------------------------------------------------
@@ -224,3 +294,122 @@ def test_api_key_from_the_settings_is_sent(browser):
         page.click("#send")
         expect()(page.locator(".msg.assistant").last).to_have_class(re.compile(r"\bdone\b"), timeout=30_000)
         context.close()
+
+
+# -- Markdown answers (the stream is the test's, see answer_with) -----------------------------
+
+CODE = 'def add(a, b):\n    """Sum."""\n    return a + b  # <not a tag>'
+MARKDOWN = f"""Use **add**, with `inline` code:
+
+```python
+{CODE}
+```
+
+```
+SELECT name FROM users WHERE id = 1;
+```
+
+```nosuchlanguage
+plain words
+```
+
+- one
+- two
+
+| a | b |
+|---|---|
+| 1 | 2 |
+"""
+
+
+def test_answer_is_markdown_with_highlighted_code(page):
+    sent: list = []
+    answer_with(page, MARKDOWN, sent)
+    answer = ask(page, "t1 t2")
+    content = answer.locator(".content")
+    assert content.locator("strong").inner_text() == "add"
+    assert content.locator(":not(pre) > code").inner_text() == "inline"
+    assert content.locator("ul > li").all_inner_texts() == ["one", "two"]
+    assert content.locator("table td").all_inner_texts() == ["1", "2"]
+
+    python = content.locator("pre code.language-python")
+    expect()(python).to_have_class(re.compile(r"\bhljs\b"))
+    assert {"def", "return"} <= set(python.locator(".hljs-keyword").all_inner_texts())
+    assert python.locator(".hljs-comment").inner_text() == "# <not a tag>"
+    assert python.text_content().rstrip("\n") == CODE
+    # no language, or one highlight.js lacks: guessed, not an error (the fixture checks the console)
+    assert content.locator("pre code.hljs").count() == 3
+    assert content.locator("pre > button.copy").all_inner_texts() == ["Copy"] * 3
+    assert answer.locator('.stats [data-stat="tokens"] b').inner_text() == "7"
+
+    # the next turn sends the answer as it came, Markdown and all, not the rendered text
+    ask(page, "t3")
+    assert sent[1]["messages"][1] == {"role": "assistant", "content": MARKDOWN}
+    # a user's message stays plain text
+    page.fill("#prompt", "**not bold**")
+    page.click("#send")
+    expect()(page.locator(".msg.user").last.locator(".content")).to_have_text("**not bold**")
+
+
+def test_copy_button_copies_the_code(page):
+    answer_with(page, MARKDOWN)
+    button = ask(page).locator("pre:has(code.language-python) button.copy")
+    button.click()
+    expect()(button).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == CODE
+    expect()(button).to_have_text("Copy", timeout=5_000)
+
+
+def test_copy_works_without_the_clipboard_api(page):
+    """Plain http from another host has no navigator.clipboard: the page copies through a
+    selected textarea; the spy records what was selected when "copy" ran."""
+    page.context.add_init_script("""
+        Object.defineProperty(Navigator.prototype, "clipboard", { get: () => undefined });
+        const execCommand = document.execCommand.bind(document);
+        document.execCommand = (command, ...rest) => {
+          const el = document.activeElement;
+          if (command === "copy") window.copied = el.value.slice(el.selectionStart, el.selectionEnd);
+          return execCommand(command, ...rest);
+        };
+    """)
+    page.reload()
+    answer_with(page, MARKDOWN)
+    button = ask(page).locator("pre:has(code.language-python) button.copy")
+    button.click()
+    expect()(button).to_have_text("Copied")
+    assert page.evaluate("window.copied") == CODE
+    assert page.locator("textarea.offscreen").count() == 0
+
+
+def test_html_in_an_answer_stays_inert(page):
+    """Model output is text: markup in it is shown, not parsed, and nothing in it runs or
+    makes the browser fetch anything."""
+    hostile = ('Hi <img src=x onerror="window.pwned=1"> <b>there</b>\n\n'
+               "<script>window.pwned=2</script>\n\n"
+               '<div onmouseover="window.pwned=3">block</div>\n\n'
+               "[click](javascript:window.pwned=4) ![pic](http://example.invalid/p.png)")
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    answer_with(page, hostile)
+    content = ask(page).locator(".content")
+    content.hover()
+    assert content.locator("img, script, b, div, iframe, style").count() == 0
+    text = content.inner_text()
+    for shown in ('<img src=x onerror="window.pwned=1">', "<script>window.pwned=2</script>", "<b>there</b>"):
+        assert shown in text
+    hrefs = [a.get_attribute("href") for a in content.locator("a").all()]
+    assert hrefs == [None, "http://example.invalid/p.png"]  # the javascript: URL is dropped
+    assert content.locator("a[href]").get_attribute("rel") == "noopener noreferrer"
+    content.locator("a", has_text="click").click()
+    assert page.evaluate("window.pwned") is None
+    assert not [u for u in requests if u.endswith("/x") or "example.invalid" in u], requests
+
+
+def test_answers_are_plain_text_without_the_libraries(page):
+    """A page whose vendor scripts did not load still chats, showing answers as text."""
+    page.route("**/static/vendor/*.js", lambda route: route.fulfill(status=404, body=""))
+    page.reload()
+    answer_with(page, MARKDOWN)
+    content = ask(page).locator(".content")
+    assert content.text_content() == MARKDOWN
+    assert content.locator("pre, strong").count() == 0

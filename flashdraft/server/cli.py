@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--spec-dflash-cross-ctx", type=_positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
     m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
-                   help="context size in tokens, prompt + output (default: 4096)")
+                   help="context size in tokens, prompt + output, split across the -np slots (default: 4096)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models and in responses")
     m.add_argument("--jinja", dest="jinja", action="store_true", default=True,
@@ -198,9 +198,10 @@ def engine_config_from_args(args: argparse.Namespace):
 
     from flashdraft.engine import resolve_spec_type
 
+    # -c is the whole context, split across the -np slots (llama-server: n_ctx per slot = c / np)
     return EngineConfig(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
                         draft_model=args.spec_draft_model,
-                        n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
+                        n_draft=args.spec_draft_n_max, ctx_size=max(1, args.ctx_size // args.parallel), cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights, **cache_fields(args))
 
 
@@ -238,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
     if ignored:
         log.info("ignoring flags that mean nothing on this engine: %s", ", ".join(ignored))
     if args.parallel > 1:
-        log.info("-np %d: up to %d requests decode together", args.parallel, args.parallel)
+        log.info("-np %d: up to %d requests decode together, %d context tokens each (-c %d split across them)",
+                 args.parallel, args.parallel, args.ctx_size // args.parallel, args.ctx_size)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashdraft.generate import Cancelled, ContextOverflowError, Step
 from flashdraft.server import responses as R
-from flashdraft.server.errors import APIError, internal_error
+from flashdraft.server.errors import APIError, bad_request, internal_error
+from flashdraft.server.request_fields import check_extra_fields
 from flashdraft.server.scheduler import JobFailed, ServerShuttingDown, Ticket
 from flashdraft.server.schemas import ChatCompletionRequest, CompletionRequest, LlamaCompletionRequest, parse_request
 from flashdraft.server.state import ServerState
@@ -47,15 +48,16 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 @asynccontextmanager
-async def cancel_on_disconnect(request: Request, ticket: Ticket):
-    """While inside, a client disconnect cancels ``ticket`` (the body is already read, so
+async def cancel_on_disconnect(request: Request, *tickets: Ticket):
+    """While inside, a client disconnect cancels ``tickets`` (the body is already read, so
     the next ASGI message can only be ``http.disconnect``)."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                ticket.cancel()
+                for ticket in tickets:
+                    ticket.cancel()
                 return
 
     task = asyncio.create_task(watch())
@@ -89,20 +91,32 @@ async def run_to_end(request: Request, ticket: Ticket) -> R.Completion:
     Raises:
         APIError: the job failed (4xx/5xx) or the client left (499).
     """
-    c, parts = R.Completion(), []
+    return (await run_all(request, [ticket]))[0]
+
+
+async def run_all(request: Request, tickets: list[Ticket]) -> list[R.Completion]:
+    """:func:`run_to_end` of several jobs at once (a batched prompt), in order. The first
+    failure cancels the others and is raised."""
     try:
-        async with cancel_on_disconnect(request, ticket):
-            async for step in ticket.events():
-                parts.append(step.text)
-                c.token_ids.extend(step.token_ids)
-                if step.finish_reason is not None:
-                    c.finish_reason, c.timings = step.finish_reason, step.timings
+        async with cancel_on_disconnect(request, *tickets):
+            return list(await asyncio.gather(*(_collect(t) for t in tickets)))
     except (JobFailed, ServerShuttingDown) as e:
         raise failure(e) from None
     except Cancelled:
         raise APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled") from None
     finally:
-        ticket.cancel()  # no-op once finished; stops the job if this handler was cancelled
+        for ticket in tickets:
+            ticket.cancel()  # no-op once finished; stops the rest after a failure or a disconnect
+
+
+async def _collect(ticket: Ticket) -> R.Completion:
+    c, parts = R.Completion(), []
+    async for step in ticket.events():
+        parts.append(step.text)
+        c.token_ids.extend(step.token_ids)
+        c.logprobs.extend(step.logprobs or ())
+        if step.finish_reason is not None:
+            c.finish_reason, c.timings = step.finish_reason, step.timings
     c.text = "".join(parts)
     return c
 
@@ -124,19 +138,23 @@ class StreamFormat:
 
 
 class ChatStream(StreamFormat):
-    """OpenAI ``chat.completion.chunk`` events ending in ``data: [DONE]``."""
+    """OpenAI ``chat.completion.chunk`` events ending in ``data: [DONE]``; with logprobs,
+    each chunk carries its own tokens' (a chunk may carry tokens whose text is still held back)."""
 
-    def __init__(self, meta: R.ResponseMeta):
-        self.meta = meta
+    def __init__(self, meta: R.ResponseMeta, logprobs: R.Logprobs | None = None):
+        self.meta, self.logprobs = meta, logprobs
 
     def start(self) -> list[bytes]:
         return [R.sse(R.chat_chunk(self.meta, {"role": "assistant", "content": None}))]
 
     def delta(self, step: Step) -> bytes | None:
-        return R.sse(R.chat_chunk(self.meta, {"content": step.text})) if step.text else None
+        lps = self.logprobs.chat(step.logprobs) if self.logprobs and step.logprobs else None
+        if not step.text and lps is None:
+            return None
+        return R.sse(R.chat_chunk(self.meta, {"content": step.text}, logprobs=lps))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
-        out = [self.delta(step)] if step.text else []
+        out = [e for e in [self.delta(step)] if e is not None]
         out.append(R.sse(R.chat_chunk(self.meta, {}, c.finish_reason)))
         out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
         return out + [R.SSE_DONE]
@@ -145,14 +163,20 @@ class ChatStream(StreamFormat):
 class CompletionStream(StreamFormat):
     """OpenAI ``text_completion`` events ending in ``data: [DONE]``."""
 
-    def __init__(self, meta: R.ResponseMeta):
-        self.meta = meta
+    def __init__(self, meta: R.ResponseMeta, logprobs: R.Logprobs | None = None):
+        self.meta, self.logprobs, self.offset = meta, logprobs, 0
 
     def delta(self, step: Step) -> bytes | None:
-        return R.sse(R.completion_chunk(self.meta, step.text)) if step.text else None
+        lps = None
+        if self.logprobs and step.logprobs:
+            lps = self.logprobs.completion(step.logprobs, self.offset)
+            self.offset += sum(len(t) for t in lps["tokens"])
+        if not step.text and lps is None:
+            return None
+        return R.sse(R.completion_chunk(self.meta, step.text, logprobs=lps))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
-        out = [self.delta(step)] if step.text else []
+        out = [e for e in [self.delta(step)] if e is not None]
         out.append(R.sse(R.completion_chunk(self.meta, "", c.finish_reason)))
         out.append(R.sse(R.usage_chunk(self.meta, "text_completion", c, timings)))
         return out + [R.SSE_DONE]
@@ -162,18 +186,22 @@ class LlamaStream(StreamFormat):
     """llama-server ``/completion`` events: ``{"content", "tokens", "stop": false}`` chunks,
     then the full final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
 
-    def __init__(self, final: Callable[[R.Completion, dict], dict], return_tokens: bool = False):
-        self.final, self.return_tokens = final, return_tokens
+    def __init__(self, final: Callable[[R.Completion, dict], dict], return_tokens: bool = False,
+                 logprobs: R.Logprobs | None = None):
+        self.final, self.return_tokens, self.logprobs = final, return_tokens, logprobs
+
+    def _probs(self, step: Step) -> dict:
+        return {"completion_probabilities": self.logprobs.llama(step.logprobs or [])} if self.logprobs else {}
 
     def delta(self, step: Step) -> bytes | None:
         if not (step.text or step.token_ids):
             return None
-        return R.sse(R.llama_chunk(step.text, step.token_ids, self.return_tokens))
+        return R.sse({**R.llama_chunk(step.text, step.token_ids, self.return_tokens), **self._probs(step)})
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
-        # the last event carries only its own piece of text, like every other event
+        # the last event carries only its own piece of text (and probabilities), like every other event
         tokens = step.token_ids if self.return_tokens else []
-        return [R.sse({**self.final(c, timings), "content": step.text, "tokens": tokens})]
+        return [R.sse({**self.final(c, timings), "content": step.text, "tokens": tokens, **self._probs(step)})]
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -248,11 +276,29 @@ def register(app: FastAPI, state: ServerState) -> None:
             ticket.cancel()  # frees the slot within one step if we stopped early
             state.metrics.observe_request(endpoint, status)
 
+    def logprobs_of(job, n_top: int) -> R.Logprobs | None:
+        """The response's log-probability writer when the job computes them."""
+        return R.Logprobs(state.prompts.piece_and_bytes, n_top) if job.n_probs else None
+
+    def batch_jobs(req, limit: int | None, limit_param: str) -> list:
+        """One validated job per prompt of ``req``; ``stream`` takes a single prompt.
+        Raises APIError 400 (naming ``prompt[i]``) before any job is queued."""
+        prompts = req.prompts()
+        if req.stream and len(prompts) > 1:
+            raise bad_request(f"stream: true takes one prompt, got {len(prompts)}; send one request per prompt "
+                              "or stream: false for a batch", param="prompt")
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            jobs.append(state.make_job(state.prompts.prompt(prompt, param), limit, req, limit_param=limit_param,
+                                       prompt_param=param))
+        return jobs
+
     async def body_of(request: Request, model):
         state.require_ready()
         req = parse_request(await read_body(request, state.settings.max_body_bytes), model)
         meta_model = state.check_model(req.model)
-        state.note_ignored(req.model_extra)
+        check_extra_fields(req.model_extra)
         return req, meta_model
 
     @app.post("/v1/chat/completions")
@@ -265,46 +311,51 @@ def register(app: FastAPI, state: ServerState) -> None:
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages")
         meta = R.ResponseMeta.new("chatcmpl", model)
+        lps = logprobs_of(job, req.top_logprobs or 0)
         ticket = state.submit(job)
         if req.stream:
-            return await stream(request, "chat", ticket, ChatStream(meta))
+            return await stream(request, "chat", ticket, ChatStream(meta, lps))
         c = await run_to_end(request, ticket)
-        return JSONResponse(R.chat_response(meta, c, timings_of(c)))
+        return JSONResponse(R.chat_response(meta, c, timings_of(c), lps))
 
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)
     @counted("completions")
     async def completions(request: Request) -> Response:
-        """OpenAI text completions: one prompt (string or token ids)."""
+        """OpenAI text completions: one prompt, or a batch (one choice per prompt)."""
         req, model = await body_of(request, CompletionRequest)
-        ids = state.prompts.prompt(req.prompt_value())
-        job = state.make_job(ids, req.max_tokens, req)
+        jobs = batch_jobs(req, req.max_tokens, "max_tokens")
         meta = R.ResponseMeta.new("cmpl", model)
-        ticket = state.submit(job)
+        lps = logprobs_of(jobs[0], req.logprob_count())
         if req.stream:
-            return await stream(request, "completions", ticket, CompletionStream(meta))
-        c = await run_to_end(request, ticket)
-        return JSONResponse(R.completion_response(meta, c, timings_of(c)))
+            return await stream(request, "completions", state.submit(jobs[0]), CompletionStream(meta, lps))
+        results = await run_all(request, [state.submit(job) for job in jobs])
+        if len(results) == 1:
+            return JSONResponse(R.completion_response(meta, results[0], timings_of(results[0]), lps))
+        return JSONResponse(R.completion_batch_response(meta, results, [timings_of(c) for c in results], lps))
 
     @app.post("/completion")
     @counted("completion")
     async def llama_completion(request: Request) -> Response:
         """llama-server's native completion (``prompt``, ``n_predict``, ``stop``, ``stream``...)."""
         req, model = await body_of(request, LlamaCompletionRequest)
-        ids = state.prompts.prompt(req.prompt)
-        job = state.make_job(ids, None if req.n_predict < 0 else req.n_predict, req, limit_param="n_predict")
-        stops = job.stop
+        jobs = batch_jobs(req, None if req.n_predict < 0 else req.n_predict, "n_predict")
+        job = jobs[0]  # every job of a batch has the same settings
 
-        def final(c: R.Completion, timings: dict) -> dict:
-            stop_type, word = R.stop_details(state.prompts.decode, c, stops)
+        def final(c: R.Completion, timings: dict, n_prompt: int = len(job.prompt_ids)) -> dict:
+            stop_type, word = R.stop_details(state.prompts.decode, c, job.stop)
             p = job.params
             settings = {"n_predict": req.n_predict, "temperature": p.temperature, "top_k": p.top_k,
                         "top_p": p.top_p, "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed,
-                        "stop": stops, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
-            return R.llama_response(c, timings, model, len(ids), stop_type, word, settings, req.return_tokens)
+                        "stop": job.stop, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
+            return R.llama_response(c, timings, model, n_prompt, stop_type, word, settings, req.return_tokens, lps)
 
-        ticket = state.submit(job)
+        lps = logprobs_of(job, req.n_probs)
         if req.stream:
-            return await stream(request, "completion", ticket, LlamaStream(final, req.return_tokens))
-        c = await run_to_end(request, ticket)
-        return JSONResponse(final(c, timings_of(c)))
+            return await stream(request, "completion", state.submit(job), LlamaStream(final, req.return_tokens, lps))
+        results = await run_all(request, [state.submit(j) for j in jobs])
+        if len(results) == 1:
+            return JSONResponse(final(results[0], timings_of(results[0])))
+        # several prompts: one result object each, in order (llama-server's array)
+        return JSONResponse([{"index": i, **final(c, timings_of(c), len(j.prompt_ids))}
+                             for i, (c, j) in enumerate(zip(results, jobs))])

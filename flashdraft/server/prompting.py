@@ -101,13 +101,20 @@ class PromptBuilder:
         """Token ids of ``text`` (``add_special``: add BOS/EOS the tokenizer would add)."""
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
-    def prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Ids of a text prompt, or token ids checked against the vocabulary.
+    def prompt(self, prompt: str | list[int | str], param: str = "prompt") -> list[int]:
+        """Ids of a text prompt, or of token ids (checked against the vocabulary) mixed with
+        text pieces (each encoded and spliced in place).
 
         Raises:
             APIError: 400 for an empty prompt or a token id outside the vocabulary.
         """
-        ids = self.encode(prompt) if isinstance(prompt, str) else self.check_ids(prompt, param)
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = []
+            for part in prompt:
+                ids += self.encode(part) if isinstance(part, str) else [part]
+            self.check_ids(ids, param)
         if not ids:
             raise bad_request("the prompt is empty", param=param)
         return ids
@@ -127,6 +134,12 @@ class PromptBuilder:
     def piece(self, token_id: int) -> str:
         """The text of one token, special tokens included (for ``/tokenize`` pieces)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def piece_and_bytes(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, raw bytes as ints)`` of one token, for log-probability entries."""
+        text = self.piece(token_id)
+        raw = token_bytes(self.tokenizer, token_id)
+        return text, list(raw if raw is not None else text.encode("utf-8"))
 
     def piece_or_bytes(self, token_id: int) -> str | list[int]:
         """:meth:`piece`, or the token's bytes as a list of ints when they are not whole

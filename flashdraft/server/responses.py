@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import flashdraft
-from flashdraft.generate import Timings
+from flashdraft.generate import Timings, TokenLogprob
 
 SSE_DONE = b"data: [DONE]\n\n"
 #: OpenAI's ``system_fingerprint``: which build answered (llama-server sends its build id)
@@ -29,6 +29,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     timings: Timings | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +51,47 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+class Logprobs:
+    """Writes :class:`TokenLogprob` lists in each API's shape.
+
+    Args:
+        piece: ``token_id -> (text, bytes)``: the token's text and its raw bytes (as a
+            list of ints, what OpenAI's ``bytes`` holds).
+        n_top: alternatives to list per token (OpenAI's ``top_logprobs`` may be 0 while
+            ``logprobs: true`` still returns each token's own log-probability).
+    """
+
+    def __init__(self, piece: Callable[[int], tuple[str, list[int]]], n_top: int):
+        self.piece, self.n_top = piece, n_top
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def chat(self, lps: list[TokenLogprob]) -> dict:
+        """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(i, v) for i, v in lp.top[: self.n_top]]} for lp in lps]}
+
+    def completion(self, lps: list[TokenLogprob], offset: int = 0) -> dict:
+        """OpenAI (legacy) completions ``logprobs``: parallel lists; ``text_offset`` in characters
+        from the start of the answer (``offset`` for a streamed chunk)."""
+        tokens, offsets, pos = [], [], offset
+        for lp in lps:
+            text = self.piece(lp.token_id)[0]
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.piece(i)[0]: v for i, v in lp.top[: self.n_top]} for lp in lps],
+                "text_offset": offsets}
+
+    def llama(self, lps: list[TokenLogprob]) -> list[dict]:
+        """llama-server ``completion_probabilities``: ``[{id, token, bytes, logprob, top_logprobs}]``."""
+        return [{"id": lp.token_id, **self._entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [{"id": i, **self._entry(i, v)} for i, v in lp.top[: self.n_top]]} for lp in lps]
+
+
 def usage(t: Timings) -> dict:
     """OpenAI ``usage``: the whole prompt (prefilled + reused from the prompt cache, the
     latter also in ``prompt_tokens_details.cached_tokens``) and the returned tokens."""
@@ -60,41 +102,60 @@ def usage(t: Timings) -> dict:
 
 # -- /v1/chat/completions ------------------------------------------------------------------
 
-def chat_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
+def chat_response(meta: ResponseMeta, c: Completion, timings: dict, logprobs: Logprobs | None = None) -> dict:
     """Non-streamed ``chat.completion``."""
     return {
         "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None, "finish_reason": c.finish_reason}],
+                     "logprobs": logprobs.chat(c.logprobs) if logprobs else None, "finish_reason": c.finish_reason}],
         "usage": usage(c.timings), "timings": timings,
     }
 
 
-def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None) -> dict:
+def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     """One streamed ``chat.completion.chunk``."""
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 # -- /v1/completions -----------------------------------------------------------------------
 
-def completion_response(meta: ResponseMeta, c: Completion, timings: dict) -> dict:
+def completion_response(meta: ResponseMeta, c: Completion, timings: dict, logprobs: Logprobs | None = None) -> dict:
     """Non-streamed ``text_completion``."""
     return {
         "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}],
+        "choices": [{"index": 0, "text": c.text, "logprobs": logprobs.completion(c.logprobs) if logprobs else None,
+                     "finish_reason": c.finish_reason}],
         "usage": usage(c.timings), "timings": timings,
     }
 
 
-def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None) -> dict:
+def completion_batch_response(meta: ResponseMeta, results: list[Completion], timings: list[dict],
+                              logprobs: Logprobs | None = None) -> dict:
+    """Non-streamed ``text_completion`` for several prompts: one choice per prompt (``index``
+    in order, each with its own ``timings``), usage summed over them."""
+    total = Timings(prompt_n=sum(c.timings.prompt_n for c in results),
+                    cache_n=sum(c.timings.cache_n for c in results),
+                    predicted_n=sum(c.timings.predicted_n for c in results))
+    return {
+        "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": [{"index": i, "text": c.text, "logprobs": logprobs.completion(c.logprobs) if logprobs else None,
+                     "finish_reason": c.finish_reason, "timings": t}
+                    for i, (c, t) in enumerate(zip(results, timings))],
+        "usage": usage(total),
+    }
+
+
+def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
     """One streamed ``text_completion`` chunk."""
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, c: Completion, timings: dict) -> dict:
@@ -125,10 +186,12 @@ def stop_details(decode: Callable[[list[int]], str], c: Completion, stops: list[
 
 
 def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop_type: str,
-                   stopping_word: str, settings: dict, return_tokens: bool = False) -> dict:
+                   stopping_word: str, settings: dict, return_tokens: bool = False,
+                   logprobs: Logprobs | None = None) -> dict:
     """Non-streamed (or final streamed) ``/completion`` body; ``tokens`` is empty unless
-    ``return_tokens`` (llama-server's default)."""
-    return {
+    ``return_tokens`` (llama-server's default); ``completion_probabilities`` with ``n_probs``."""
+    extra = {"completion_probabilities": logprobs.llama(c.logprobs)} if logprobs else {}
+    return {**extra,
         "content": c.text, "tokens": c.token_ids if return_tokens else [], "id_slot": 0, "stop": True, "model": model,
         "tokens_predicted": c.timings.predicted_n, "tokens_evaluated": prompt_n,
         "generation_settings": settings, "has_new_line": "\n" in c.text, "truncated": False,

@@ -48,6 +48,8 @@ class GenerationJob:
         ignore_eos: keep generating past EOS.
         cache_prompt: reuse the slot's caches for the prompt's common prefix with what
             the slot decoded last.
+        logit_bias: ``{token_id: bias}`` on the target's logits (``-inf`` bans).
+        n_probs: log-probabilities of each returned token and its top ``n_probs`` alternatives.
     """
 
     prompt_ids: list[int]
@@ -56,6 +58,8 @@ class GenerationJob:
     stop: list[str]
     ignore_eos: bool = False
     cache_prompt: bool = True
+    logit_bias: dict[int, float] | None = None
+    n_probs: int = 0
 
 
 class JobFailed(Exception):
@@ -296,7 +300,8 @@ class Scheduler:
         try:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
                                                 ignore_eos=job.ignore_eos, cancelled=stopped,
-                                                cache_prompt=job.cache_prompt):
+                                                cache_prompt=job.cache_prompt, logit_bias=job.logit_bias,
+                                                n_probs=job.n_probs):
                 if self.metrics:
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
@@ -368,7 +373,8 @@ class Scheduler:
             slot = batch.best_slot(free, job.prompt_ids) if job.cache_prompt else free[0]
             try:
                 batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
-                            stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt)
+                            stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt,
+                            logit_bias=job.logit_bias, n_probs=job.n_probs)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

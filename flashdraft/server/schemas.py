@@ -12,6 +12,7 @@ OpenAI's error shape, with ``param`` naming the field at fault.
 from __future__ import annotations
 
 import json
+import math
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,6 +26,15 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
 #: seeds are passed to ``torch.Generator.manual_seed`` (unsigned 64-bit)
 MAX_SEED = 2**64 - 1
+#: most prompts in one batched request (each becomes a job of its own)
+MAX_BATCH_PROMPTS = 64
+#: most alternatives per token in ``n_probs`` / ``top_logprobs`` (OpenAI's limit)
+MAX_N_PROBS = 20
+#: most ``logit_bias`` entries (each is one column write per step)
+MAX_LOGIT_BIAS = 1024
+
+#: one prompt, normalised: text, or token ids mixed with text pieces
+OnePrompt = str | list[int | str]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -50,6 +60,14 @@ class SamplingFields(_Strict):
     #: llama-server's prompt cache: reuse the slot's caches for the common prefix (None =
     #: the server's default, on unless ``--no-cache-prompt``)
     cache_prompt: bool | None = None
+    #: OpenAI ``{"token_id": bias}`` or llama-server's ``[[id or text, bias or false], ...]``
+    logit_bias: dict | list | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_shape(cls, v):
+        bias_entries(v)
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +84,79 @@ class SamplingFields(_Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def split_prompts(v: object) -> list[OnePrompt]:
+    """llama-server's prompt forms, as a list of single prompts (one result each).
+
+    One prompt: a string, ``{"prompt_string": ...}``, a token id list, or ids mixed with
+    strings (``[12, " and ", 34]``). Several: a list of those (a list of strings is a batch,
+    as in OpenAI's API).
+
+    Raises:
+        ValueError: an empty prompt list, an element of another type, a batch over
+            :data:`MAX_BATCH_PROMPTS`, or an object without ``prompt_string`` / with media.
+    """
+    if isinstance(v, (str, dict)):
+        return [_one_prompt(v, "prompt")]
+    if not isinstance(v, list) or not v:
+        raise ValueError("prompt must be a string, token ids, or a non-empty list of prompts")
+    if any(_is_id(x) for x in v):  # ids, maybe mixed with text: one prompt
+        return [_one_prompt(v, "prompt")]
+    if len(v) > MAX_BATCH_PROMPTS:
+        raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(v)}")
+    return [_one_prompt(x, f"prompt[{i}]") for i, x in enumerate(v)]
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _one_prompt(x: object, where: str) -> OnePrompt:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, dict):
+        extra = set(x) - {"prompt_string", "multimodal_data"}
+        if not isinstance(x.get("prompt_string"), str) or extra:
+            raise ValueError(f"{where}: a prompt object needs a string 'prompt_string' (and nothing else"
+                             f"{', got ' + ', '.join(sorted(extra)) if extra else ''})")
+        if x.get("multimodal_data"):
+            raise ValueError(f"{where}: multimodal_data is not supported: this server serves text models only")
+        return x["prompt_string"]
+    if isinstance(x, list) and x and all(_is_id(t) or isinstance(t, str) for t in x):
+        return list(x)
+    raise ValueError(f"{where} must be a string, a prompt object, or a non-empty list of token ids and strings")
+
+
+def bias_entries(v: dict | list | None) -> list[tuple[int | str, float]]:
+    """``logit_bias`` as ``[(token id or text, bias)]``; ``false`` = never (``-inf``).
+
+    Raises:
+        ValueError: a key that is not a token id, a bias that is not a finite number or
+            ``false``, or more than :data:`MAX_LOGIT_BIAS` entries.
+    """
+    if v is None:
+        return []
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if isinstance(v, list) and not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"logit_bias[{i}] must be a [token, bias] pair")
+        key, bias = pair
+        if isinstance(v, dict):  # JSON object keys are strings: OpenAI sends ids as "50256"
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            key = int(key)
+        elif not (_is_id(key) or isinstance(key, str)):
+            raise ValueError(f"logit_bias[{i}][0] must be a token id or a text")
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias for {key!r} must be a finite number or false, got {bias!r}")
+        out.append((key, float(bias)))
+    return out
 
 
 class StreamOptions(_Strict):
@@ -118,6 +209,7 @@ class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
     #: extra variables for the chat template (e.g. ``enable_thinking``)
     chat_template_kwargs: dict | None = None
 
@@ -128,12 +220,14 @@ class ChatCompletionRequest(_OpenAIFields):
             raise ValueError("cannot have 2 or more assistant messages at the end of the list")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
+    def logprob_count(self) -> int:
+        """Alternatives per token to return; 0 = no logprobs. ``logprobs: true`` alone
+        returns each token's own log-probability (a top list of one)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+            return 0
+        return max(1, self.top_logprobs or 0)
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``; None = unset."""
@@ -141,20 +235,23 @@ class ChatCompletionRequest(_OpenAIFields):
 
 
 class CompletionRequest(_OpenAIFields):
-    """``POST /v1/completions``: ``prompt`` is a string, a token list, or a one-item list."""
+    """``POST /v1/completions``: ``prompt`` in any of :func:`split_prompts`' forms."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | dict | list
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("batched prompts are not supported: send one prompt per request")
+    def _prompt_forms(cls, v):
+        split_prompts(v)
         return v
+
+    def prompts(self) -> list[OnePrompt]:
+        """The request's prompts (one result each)."""
+        return split_prompts(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -170,12 +267,9 @@ class CompletionRequest(_OpenAIFields):
             raise ValueError("best_of > 1 is not supported by this server")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return v
+    def logprob_count(self) -> int:
+        """Alternatives per token to return (OpenAI's ``logprobs: N``); 0 = none."""
+        return self.logprobs or 0
 
     @field_validator("suffix")
     @classmethod
@@ -184,11 +278,6 @@ class CompletionRequest(_OpenAIFields):
             raise ValueError("suffix (insertion) is not supported by this server")
         return v
 
-    def prompt_value(self) -> str | list[int]:
-        """The single prompt: a string or token ids."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt
 
 
 class LlamaCompletionRequest(SamplingFields):
@@ -197,10 +286,26 @@ class LlamaCompletionRequest(SamplingFields):
     ``n_predict``: -1 = until EOS, a stop or the end of the context; otherwise >= 1.
     """
 
-    prompt: str | list[int]
+    prompt: str | dict | list
     n_predict: int = Field(-1, ge=-1)
     #: put the generated token ids in ``tokens`` (llama-server: off by default)
     return_tokens: bool = False
+    #: return the top ``n_probs`` tokens' probabilities at each position (0 = none)
+    n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+
+    def logprob_count(self) -> int:
+        """Alternatives per token to return; 0 = none."""
+        return self.n_probs
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_forms(cls, v):
+        split_prompts(v)
+        return v
+
+    def prompts(self) -> list[OnePrompt]:
+        """The request's prompts (one result each)."""
+        return split_prompts(self.prompt)
 
     @field_validator("n_predict")
     @classmethod

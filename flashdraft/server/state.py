@@ -13,7 +13,7 @@ from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.prompting import PromptBuilder
 from flashdraft.server.scheduler import GenerationJob, Scheduler, ServerShuttingDown, Ticket
-from flashdraft.server.schemas import SamplingFields
+from flashdraft.server.schemas import SamplingFields, bias_entries
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,6 @@ class ServerState:
     prompts: PromptBuilder | None = None
     model_id: str = ""
     started: int = field(default_factory=lambda: int(time.time()))
-    _ignored_fields: set[str] = field(default_factory=set)
 
     # -- loading -------------------------------------------------------------------
     def load(self, loader: Callable[[], SpeculativeGenerator]) -> None:
@@ -180,13 +179,18 @@ class ServerState:
         guide's script sends ``"local-gemma"``). ``/v1/models`` still names the alias."""
         return self.model_id
 
-    def note_ignored(self, fields: dict | None) -> None:
-        """Log request fields this engine does not use, once per field name (routes all run on
-        the event-loop thread, so the set needs no lock)."""
-        new = sorted(set(fields or {}) - self._ignored_fields)
-        if new:
-            self._ignored_fields.update(new)
-            log.warning("ignoring request field(s) this engine does not use: %s", ", ".join(new))
+    def logit_bias(self, req: SamplingFields) -> dict[int, float] | None:
+        """``logit_bias`` as ``{token_id: bias}``: a text key biases each of its tokens.
+        Raises APIError 400 for an id outside the vocabulary."""
+        entries = bias_entries(req.logit_bias)
+        if not entries:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in entries:
+            ids = self.prompts.encode(key) if isinstance(key, str) else self.prompts.check_ids([key], "logit_bias")
+            for token in ids:
+                out[token] = bias
+        return out
 
     def make_job(self, prompt_ids: list[int], max_tokens: int | None, req: SamplingFields,
                  limit_param: str = "max_tokens", prompt_param: str = "prompt") -> GenerationJob:
@@ -219,9 +223,11 @@ class ServerState:
             max_tokens = self.settings.n_predict
         limit = min(max_tokens, room) if max_tokens is not None and max_tokens > 0 else room
         s = self.settings
+        n_probs = req.logprob_count() if hasattr(req, "logprob_count") else 0
         return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(),
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
-                             cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt)
+                             cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
+                             logit_bias=self.logit_bias(req), n_probs=n_probs)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.

@@ -1,6 +1,7 @@
 // flashdraft chat page: streams /v1/chat/completions (server-sent events) and shows, per
 // answer, the server's own `timings` (decode tokens/s, draft_n / draft_n_accepted, τ), so
-// what you read is what the engine measured, not a browser-side guess.
+// what you read is what the engine measured, not a browser-side guess. Answers render as
+// Markdown with highlighted code when the vendored libraries loaded, as plain text if not.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -68,13 +69,122 @@ async function loadProps() {
   }
 }
 
+// -- Markdown answers ----------------------------------------------------------------------
+// marked turns the answer into HTML, DOMPurify sanitises that before it reaches the DOM (on
+// every render, whatever marked produced), highlight.js colours the code blocks. Raw HTML in
+// the answer is escaped rather than parsed: model output is text, never markup.
+const PURIFY = {
+  USE_PROFILES: { html: true },
+  FORBID_TAGS: ["style", "img", "form", "button", "textarea", "select"],
+  FORBID_ATTR: ["style"],  // the CSP refuses inline styles anyway; nothing here needs them
+};
+const HLJS_LANGUAGE = /\blang(?:uage)?-([\w-]+)\b/i;  // how highlight.js reads a class name
+
+const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+
+// null when a vendor script failed to load: answers are then shown as plain text
+const markdown = (() => {
+  if (!window.marked || !window.DOMPurify || !DOMPurify.isSupported) return null;
+  // links in an answer leave the chat in a new tab, without a handle back to this page
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A" && node.hasAttribute("href")) {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+  return new marked.Marked({
+    gfm: true,
+    renderer: {
+      html: ({ text, block }) => (block ? `<p>${escapeHtml(text)}</p>` : escapeHtml(text)),
+      // an image would be fetched from wherever the model points: offer a link to it instead
+      image: ({ href, text }) => `<a href="${escapeHtml(href)}">${escapeHtml(text || href)}</a>`,
+    },
+  });
+})();
+
+function renderAnswer(content, text) {
+  if (markdown) {
+    try {
+      content.innerHTML = DOMPurify.sanitize(markdown.parse(text), PURIFY);
+      content.classList.add("markdown");
+      for (const pre of content.querySelectorAll("pre")) decorateCode(pre);
+      return;
+    } catch (e) {
+      console.warn("Markdown rendering failed, showing plain text:", e);
+    }
+  }
+  content.classList.remove("markdown");
+  content.textContent = text;
+}
+
+function decorateCode(pre) {
+  const code = pre.querySelector("code");
+  if (!code) return;
+  if (window.hljs) {
+    const lang = (HLJS_LANGUAGE.exec(code.className) || [])[1];
+    // highlight.js throws on a language it lacks: drop the name so it guesses instead
+    if (lang && !/^no-?highlight$/i.test(lang) && !hljs.getLanguage(lang)) {
+      code.className = code.className.replace(HLJS_LANGUAGE, "");
+    }
+    hljs.highlightElement(code);
+  }
+  const copy = document.createElement("button");
+  copy.type = "button";
+  copy.className = "copy";
+  copy.textContent = "Copy";
+  copy.title = "Copy the code";
+  pre.prepend(copy);
+}
+
+// Re-renders an answer at most once per animation frame however fast tokens arrive: parsing
+// and highlighting the whole answer per token would fall behind a fast model.
+function answerView(el) {
+  const content = el.querySelector(".content");
+  let text = "", frame = 0;
+  const draw = () => {
+    frame = 0;
+    renderAnswer(content, text);
+    el.scrollIntoView({ block: "end" });
+  };
+  return {
+    show(t) { text = t; if (!frame) frame = requestAnimationFrame(draw); },
+    flush() { if (frame) { cancelAnimationFrame(frame); draw(); } },
+  };
+}
+
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) {
+    try { await navigator.clipboard.writeText(text); return true; } catch (_) { /* refused: the old way */ }
+  }
+  // no clipboard API (plain http from another host): copy the selection of a hidden textarea
+  const area = document.createElement("textarea");
+  area.value = text;
+  area.readOnly = true;
+  area.className = "offscreen";
+  document.body.append(area);
+  area.select();
+  let ok = false;
+  try { ok = document.execCommand("copy"); } catch (_) { ok = false; }
+  area.remove();
+  return ok;
+}
+
+async function copyCode(button) {
+  const code = button.parentElement.querySelector("code");
+  // marked ends every code block with a newline the fence did not have
+  const ok = await copyText(code.textContent.replace(/\n$/, ""));
+  button.textContent = ok ? "Copied" : "Copy failed";
+  clearTimeout(button.reset);
+  button.reset = setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
 // -- messages ------------------------------------------------------------------------------
 function addMessage(role, text) {
   const el = document.createElement("div");
   el.className = "msg " + role;
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = text;  // textContent, never innerHTML: model output is not markup
+  content.textContent = text;  // as typed; an answer is rendered later, by renderAnswer
   const stats = document.createElement("div");
   stats.className = "stats";
   const note = document.createElement("div");
@@ -149,7 +259,7 @@ async function send(text) {
   addMessage("user", text);
   const el = addMessage("assistant", "");
   el.classList.add("streaming");
-  const content = el.querySelector(".content");
+  const view = answerView(el);
   const note = el.querySelector(".note");
   let answer = "", timings = null, failed = null, firstTextMs = null;
   const t0 = performance.now();
@@ -171,11 +281,11 @@ async function send(text) {
       if (delta && delta.content) {
         if (firstTextMs === null) firstTextMs = performance.now() - t0;
         answer += delta.content;
-        content.textContent = answer;
-        el.scrollIntoView({ block: "end" });
+        view.show(answer);
       }
       if (ev.timings) timings = ev.timings;
     });
+    view.flush();  // the whole answer is on screen before it is marked done
     if (failed) throw new Error(failed);
     if (!complete) throw new Error("the stream ended early (server stopped?)");
     chat.history.push(turn, { role: "assistant", content: answer });
@@ -192,6 +302,7 @@ async function send(text) {
       el.classList.add("error");
     }
   } finally {
+    view.flush();
     el.classList.remove("streaming");
     chat.controller = null;
     setBusy(false);
@@ -208,6 +319,11 @@ function submit(event) {
 }
 
 $("composer").addEventListener("submit", submit);
+// one listener for every code block's Copy button, including those not rendered yet
+$("messages").addEventListener("click", (e) => {
+  const button = e.target.closest("button.copy");
+  if (button) copyCode(button);
+});
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) submit(e);
 });
