@@ -40,22 +40,38 @@ class TextStream:
                 self.stopped = True
         return self.stopped
 
+    def _broken_tail(self) -> int:
+        """Trailing U+FFFD characters: the decoding of an incomplete UTF-8 sequence."""
+        text, n = self.text, 0
+        while n < len(text) and text[len(text) - n - 1] == "\ufffd":
+            n += 1
+        return n
+
     def _holdback(self) -> int:
         """Characters at the end of ``text`` that must wait: an incomplete UTF-8 sequence
         (decoded as U+FFFD) or a suffix that is a prefix of a stop string."""
-        text, hold = self.text, 0
-        while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
-            hold += 1
+        broken = self._broken_tail()
+        text, hold = self.text[: len(self.text) - broken], 0
+        # a stop string may go on in the broken character: look before it
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        return hold
+        return broken + hold
 
     def delta(self, final: bool = False) -> str:
-        """Text not yet handed out that can no longer change (all of it when ``final``)."""
-        end = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback()
+        """Text not yet handed out that can no longer change (all of it when ``final``, but
+        for a broken character at the very end).
+
+        The last answer of a length stop, a cancellation or a stop string may end inside a
+        multi-byte character (its last token holds the first bytes only); the tokenizer
+        decodes those bytes as U+FFFD, which is never handed out: the answer ends at the
+        last whole character."""
+        if final or self.stopped:
+            end = len(self.text) - self._broken_tail()
+        else:
+            end = len(self.text) - self._holdback()
         if end <= self.emitted:
             return ""
         out = self.text[self.emitted:end]

@@ -658,3 +658,20 @@ def test_fields_that_would_change_the_answer_are_refused_by_name(server, fields,
     else:
         err = assert_error_shape(r, 400)
         assert err["param"] in fields and err["code"] == "unsupported_field"
+
+
+def test_a_length_stop_inside_a_character_returns_no_broken_bytes(server):
+    """Token 40303 is ' ' plus the first 3 bytes of a 4-byte emoji: forced as the only answer
+    token, the answer is cut inside the character, stream and not."""
+    body = {"prompt": "Reply only with five emojis", "n_predict": 1, "temperature": 0,
+            "logit_bias": [[40303, 100]], "return_tokens": True}
+    r = post(server, "/completion", body).json()
+    assert r["tokens"] == [40303] and r["stop_type"] == "limit"
+    assert "\ufffd" not in r["content"]
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as s:
+        streamed = "".join(json.loads(e)["content"] for e in sse_events(s))
+    assert streamed == r["content"]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Five emojis"}],
+                                                 "max_tokens": 1, "temperature": 0,
+                                                 "logit_bias": {"40303": 100}}).json()
+    assert "\ufffd" not in chat["choices"][0]["message"]["content"]
