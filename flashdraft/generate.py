@@ -224,7 +224,7 @@ class SpeculativeGenerator:
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
                  cache_prompt: bool = False, logit_bias: dict[int, float] | None = None,
-                 n_probs: int = 0) -> Iterator[Step]:
+                 n_probs: int = 0, constraint=None) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
@@ -235,7 +235,7 @@ class SpeculativeGenerator:
         the previous call, and prefill only what follows the longest common prefix
         (llama-server's ``cache_prompt``; multi-turn chat then prefills the new turn only).
         Whatever the flag, a call that ends (finished or cancelled) leaves its caches there.
-        ``logit_bias`` / ``n_probs``: as :class:`Sequence`.
+        ``logit_bias`` / ``n_probs`` / ``constraint``: as :class:`Sequence`.
 
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
@@ -244,7 +244,8 @@ class SpeculativeGenerator:
         """
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
         seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
-                       reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs)
+                       reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs,
+                       constraint=constraint)
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
                 self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree
@@ -281,6 +282,9 @@ class Sequence:
             exactly what the biased target would produce, at T=0 and T>0 alike.
         n_probs: return the log-probabilities of each returned token and of the
             ``n_probs`` most likely tokens at its position (:class:`TokenLogprob`); 0 = none.
+        constraint: a :class:`~flashdraft.constraints.Constraint` (JSON schema, grammar):
+            every target row is masked with the grammar state it follows, so the output is
+            exactly the constrained target's; drafts are cut at the first refused token.
     Raises:
         ContextOverflowError: prompt too long for ``ctx_size``.
         ValueError: ``max_tokens < 1`` or an empty prompt.
@@ -290,7 +294,7 @@ class Sequence:
                  params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, drafter: Drafter | None = None,
                  controller: ProfitController | None = None, reuse: PromptCache | None = None,
-                 logit_bias: dict[int, float] | None = None, n_probs: int = 0):
+                 logit_bias: dict[int, float] | None = None, n_probs: int = 0, constraint=None):
         generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -323,6 +327,7 @@ class Sequence:
             self.bias = (torch.tensor(list(logit_bias), dtype=torch.long),
                          torch.tensor(list(logit_bias.values()), dtype=torch.float32))
         self.n_probs = n_probs
+        self.constraint = constraint
         if self.controller is not None:
             self.controller.start_request()
         # filled by prepare() for finish(): this step's drafts, depth and start time
@@ -358,8 +363,11 @@ class Sequence:
         self._depth, self._standing = self._choose_depth()
         room = min(self._depth, self.max_tokens - t.predicted_n - 1, self.ctx_size - self.tokens.shape[0])
         self._t0 = time.perf_counter()
-        self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen) if room > 0 else None
+        self._draft = (self.drafter.propose(self.tokens, room, self.params, self.gen, self.constraint)
+                       if room > 0 else None)
         self._drafts = self._draft.tokens[:room] if self._draft is not None else torch.empty(0, dtype=torch.long)
+        if self.constraint is not None and self._drafts.numel():
+            self._drafts = self._drafts[: self._grammar_prefix(self._drafts.tolist())]
         # 3. verify: one target forward over [anchor, drafts]
         return torch.cat([self.tokens[-1:], self._drafts]), self.cache, 0
 
@@ -369,7 +377,11 @@ class Sequence:
         if self.bias is not None:  # before the first read: every rule sees the biased target
             ids, values = self.bias
             logits[:, ids] += values
+        if self.constraint is not None:  # row i: the grammar after the drafts before it
+            self.constraint.apply(logits, self._drafts.tolist() if self.prefilled else [])
         step = self._finish_prefill(logits, features) if not self.prefilled else self._finish_verify(logits, features)
+        if self.constraint is not None and not step.finish_reason:
+            self.constraint.advance(step.token_ids)
         if self.n_probs and step.token_ids:
             # row i of the forward chose returned token i (prefill: its one row; verify: the
             # anchor's row, then one per accepted draft, the last giving the bonus token)
@@ -425,6 +437,15 @@ class Sequence:
         t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None)
+
+    def _grammar_prefix(self, drafts: list[int]) -> int:
+        """Drafts kept under the grammar: those it accepts, through the first end of
+        sequence (nothing after an end is ever returned)."""
+        n = self.constraint.valid_prefix(drafts)
+        for i, t in enumerate(drafts[:n]):
+            if t in self.target.eos_token_ids:
+                return i + 1
+        return n
 
     def _choose_depth(self) -> tuple[int, int]:
         """``(depth, standing)``: draft tokens to ask for this step, and the controller's

@@ -201,24 +201,39 @@ MESSAGE = st.fixed_dictionaries(
      "content": st.one_of(SOME_WORDS, SOME_WORDS, SOME_WORDS, TEXT, st.none(), st.lists(TEXT_PART, max_size=2))},
     optional={"name": WORDS})
 OPENAI = {"max_tokens": st.integers(1, 24), "n": st.just(1),
-          "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+          "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+          "logit_bias": st.dictionaries(st.integers(0, 63).map(str), st.floats(-100, 100), max_size=3),
+          "cache_prompt": st.booleans(),
+          "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                              {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}}])}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}}
+LLAMA = {"n_probs": st.integers(0, 3), "return_tokens": st.booleans(), "cache_prompt": st.booleans(),
+         "logit_bias": st.lists(st.tuples(st.integers(0, 63), st.one_of(st.floats(-5, 5), st.just(False))).map(list),
+                                max_size=3),
+         "grammar": st.sampled_from(['root ::= "t1" | "t2"', "root ::= [a-z]+"]),
+         "json_schema": st.just({"type": "object"})}
 VALID = {
     CHAT: st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3)}, optional={
-        **SAMPLING, **OPENAI, "max_completion_tokens": st.integers(1, 24), "logprobs": st.just(False),
+        **SAMPLING, **OPENAI, "max_completion_tokens": st.integers(1, 24), "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 3), "tools": st.just([TOOL]),
+        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
         "chat_template_kwargs": st.dictionaries(st.text(max_size=6), JSON_ANY, max_size=2)}),
     "/v1/completions": st.fixed_dictionaries({"prompt": st.one_of(
-        SOME_WORDS, st.lists(st.integers(0, 63), min_size=1, max_size=8))},
-        optional={**SAMPLING, **OPENAI, "echo": st.just(False)}),
+        SOME_WORDS, st.lists(st.integers(0, 63), min_size=1, max_size=8), st.lists(SOME_WORDS, min_size=1, max_size=3))},
+        optional={**SAMPLING, **OPENAI, "echo": st.just(False), "logprobs": st.integers(0, 3)}),
     "/completion": st.fixed_dictionaries({"prompt": st.one_of(
-        SOME_WORDS, st.lists(st.integers(0, 63), min_size=1, max_size=8))},
-        optional={"n_predict": st.integers(1, 24), **SAMPLING}),
+        SOME_WORDS, st.lists(st.integers(0, 63), min_size=1, max_size=8), st.lists(SOME_WORDS, min_size=1, max_size=3),
+        st.fixed_dictionaries({"prompt_string": SOME_WORDS}))},
+        optional={"n_predict": st.integers(1, 24), **SAMPLING, **LLAMA}),
     "/tokenize": st.fixed_dictionaries({"content": TEXT},
                                        optional={"add_special": st.booleans(), "with_pieces": st.booleans()}),
     "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 63), max_size=8)}),
 }
-FIELDS = {CHAT: ["messages", *SAMPLING, *OPENAI, "max_completion_tokens", "logprobs", "chat_template_kwargs"],
-          "/v1/completions": ["prompt", *SAMPLING, *OPENAI, "echo", "suffix", "best_of"],
-          "/completion": ["prompt", "n_predict", *SAMPLING],
+FIELDS = {CHAT: ["messages", *SAMPLING, *OPENAI, "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs"],
+          "/v1/completions": ["prompt", *SAMPLING, *OPENAI, "echo", "suffix", "best_of", "logprobs"],
+          "/completion": ["prompt", "n_predict", *SAMPLING, *LLAMA],
           "/tokenize": ["content", "add_special", "with_pieces"], "/detokenize": ["tokens"]}
 
 
@@ -250,7 +265,7 @@ def check_answer(path: str, body: bytes, r: httpx.Response) -> None:
         assert_error_shape(r, r.status_code)
         return
     if not r.headers["content-type"].startswith("text/event-stream"):
-        assert isinstance(r.json(), dict)
+        assert isinstance(r.json(), (dict, list))  # a list: one result per prompt of a batch
         return
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events and all('"error"' not in e[:12] for e in events), events[-3:]

@@ -35,3 +35,22 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int 
 
 def tiny_target(arch: str = "llama", seed: int = 0, **kw) -> Target:
     return Target(tiny_model(arch, seed, **kw), tiny_tokenizer(), name=f"tiny-{arch}")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer over 64 ids: ``<eos>`` (0), space (1, GPT-2's ``Ġ``), a-z, A-Z,
+    0-9 (one byte each, no merges): real text for grammar tests on the tiny models."""
+    from tokenizers import decoders
+
+    chars = ["Ġ"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    chars += [str(d) for d in range(10)]
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars[: VOCAB - 1])}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_byte_target(arch: str = "llama", seed: int = 0, **kw) -> Target:
+    """A tiny random target whose tokens are letters, digits and space."""
+    return Target(tiny_model(arch, seed, **kw), byte_tokenizer(), name=f"tiny-bytes-{arch}")

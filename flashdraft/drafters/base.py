@@ -97,8 +97,13 @@ class Drafter:
         return None
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
-        """Propose up to ``n`` tokens following ``tokens`` (``[L]`` committed ids)."""
+                generator: torch.Generator, constraint=None) -> Draft:
+        """Propose up to ``n`` tokens following ``tokens`` (``[L]`` committed ids).
+
+        ``constraint``: the request's :class:`~flashdraft.constraints.Constraint`, or None.
+        A drafter may use it to draft among allowed tokens only; the loop cuts every draft
+        at the first refused token anyway, and verification masks the target, so ignoring
+        it costs acceptance, never correctness."""
         return Draft.empty()
 
 

@@ -439,7 +439,7 @@ class DFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
+                generator: torch.Generator, constraint=None) -> Draft:
         n = min(n, self.max_draft)
         if n <= 0:
             return Draft.empty()
@@ -458,6 +458,8 @@ class DFlashDrafter(Drafter):
         ctx = [self.cache.window(i, self.cross_ctx) for i in range(len(self.model.layers))]
         hidden = self.model(x, positions, ctx)[0, 1:]  # [n, H]
         logits = (hidden.to(self.head_weight.dtype) @ self.head_weight.t()).float()  # [n, V_d]
+        if constraint is not None:
+            return self._constrained(logits, params, generator, constraint)
         # 3. draft tokens: argmax at T=0, samples from q (same filters as the target) at T>0
         if params.greedy:
             idx = torch.argmax(logits, dim=-1)
@@ -468,6 +470,46 @@ class DFlashDrafter(Drafter):
             return Draft(idx, q)
         full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
         return Draft(self.d2t[idx], full)
+
+
+    def _constrained(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                     constraint) -> Draft:
+        """Step 3 under a grammar: position by position, the argmax (or a sample of q) among
+        the tokens the grammar allows after the drafts chosen so far; the draft ends where
+        the grammar allows none of the drafter's vocabulary. Each q is renormalised over the
+        allowed tokens, so verification reads the distribution the token was drawn from."""
+        tokens, rows, pushed = [], [], 0
+        try:
+            for i in range(logits.shape[0]):
+                allowed = constraint.here()
+                if self.d2t is not None:
+                    allowed = allowed[self.d2t]
+                if not allowed.any():
+                    break
+                row = logits[i].masked_fill(~allowed, float("-inf"))
+                if params.greedy:
+                    idx = int(torch.argmax(row))
+                else:
+                    q = filtered_probs(row[None], params)[0]
+                    idx = int(sample(q[None], generator)[0])
+                    rows.append(q)
+                token = idx if self.d2t is None else int(self.d2t[idx])
+                if token in constraint.eos:  # allowed, so the grammar is complete: the draft ends here
+                    tokens.append(token)
+                    break
+                if not constraint.push(token):
+                    break
+                pushed += 1
+                tokens.append(token)
+        finally:
+            constraint.rollback(pushed)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        if params.greedy or not tokens:
+            return Draft(ids)
+        q = torch.stack(rows[: len(tokens)])
+        if self.d2t is not None:
+            q = q.new_zeros(len(tokens), self.vocab_size).index_copy_(1, self.d2t, q)
+        return Draft(ids, q)
 
 
 def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:

@@ -60,7 +60,7 @@ class DraftModelDrafter(Drafter):
         return out.logits[0, -1, : self.vocab_size].float()  # [V]
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
+                generator: torch.Generator, constraint=None) -> Draft:
         if n <= 0:
             return Draft.empty()
         # 1. catch up on committed tokens the draft model has not seen (incl. the anchor)

@@ -105,7 +105,7 @@ class HybridDrafter(Drafter):
         return source
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
+                generator: torch.Generator, constraint=None) -> Draft:
         n = min(n, self.max_draft)
         if n <= 0:
             return Draft.empty()
@@ -118,7 +118,7 @@ class HybridDrafter(Drafter):
             self._since_ngram = 0
         else:
             self._since_ngram += int(lookup.tokens.numel() > 0)
-            draft = self.dflash.propose(tokens, n, params, generator)
+            draft = self.dflash.propose(tokens, n, params, generator, constraint)
             source = "dflash"
         self.steps[source] += 1
         self._pending = (source, tokens.shape[0] - 1)

@@ -28,7 +28,7 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
+                generator: torch.Generator, constraint=None) -> Draft:
         seq = tokens.tolist()
         L = len(seq)
         for size in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):

@@ -24,6 +24,7 @@ from flashdraft.generate import Cancelled, ContextOverflowError, Step
 from flashdraft.server import responses as R
 from flashdraft.server.errors import APIError, bad_request, internal_error
 from flashdraft.server.request_fields import check_extra_fields
+from flashdraft.server.tools import active_tools, parse_calls, tool_grammar, tool_prompt
 from flashdraft.server.scheduler import JobFailed, ServerShuttingDown, Ticket
 from flashdraft.server.schemas import ChatCompletionRequest, CompletionRequest, LlamaCompletionRequest, parse_request
 from flashdraft.server.state import ServerState
@@ -139,22 +140,49 @@ class StreamFormat:
 
 class ChatStream(StreamFormat):
     """OpenAI ``chat.completion.chunk`` events ending in ``data: [DONE]``; with logprobs,
-    each chunk carries its own tokens' (a chunk may carry tokens whose text is still held back)."""
+    each chunk carries its own tokens' (a chunk may carry tokens whose text is still held back).
 
-    def __init__(self, meta: R.ResponseMeta, logprobs: R.Logprobs | None = None):
-        self.meta, self.logprobs = meta, logprobs
+    With tools, an answer that opens with ``{`` is a tool call: it is held back and sent,
+    whole, as one ``tool_calls`` delta before the finish chunk (``finish_reason: tool_calls``);
+    plain-text answers stream as usual.
+    """
+
+    def __init__(self, meta: R.ResponseMeta, logprobs: R.Logprobs | None = None, tools: bool = False):
+        self.meta, self.logprobs, self.tools = meta, logprobs, tools
+        self.held = ""  # with tools: text not yet sent while it may be a call
+        self.calling = False
+        self.decided = not tools  # whether the answer's first character has been seen
 
     def start(self) -> list[bytes]:
         return [R.sse(R.chat_chunk(self.meta, {"role": "assistant", "content": None}))]
 
     def delta(self, step: Step) -> bytes | None:
+        text = step.text
+        if not self.decided or self.calling:
+            self.held += text
+            if not self.held.strip():
+                return None
+            self.decided = True
+            self.calling = self.held.lstrip().startswith("{")
+            if self.calling:
+                return None
+            text, self.held = self.held, ""
         lps = self.logprobs.chat(step.logprobs) if self.logprobs and step.logprobs else None
-        if not step.text and lps is None:
+        if not text and lps is None:
             return None
-        return R.sse(R.chat_chunk(self.meta, {"content": step.text}, logprobs=lps))
+        return R.sse(R.chat_chunk(self.meta, {"content": text}, logprobs=lps))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         out = [e for e in [self.delta(step)] if e is not None]
+        calls = parse_calls(c.text) if self.tools else None
+        if calls:
+            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+            out.append(R.sse(R.chat_chunk(self.meta, {"tool_calls": deltas})))
+            out.append(R.sse(R.chat_chunk(self.meta, {}, "tool_calls")))
+            out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
+            return out + [R.SSE_DONE]
+        if self.held:  # a call cut short (max_tokens): the client gets the text it is
+            out.append(R.sse(R.chat_chunk(self.meta, {"content": self.held})))
         out.append(R.sse(R.chat_chunk(self.meta, {}, c.finish_reason)))
         out.append(R.sse(R.usage_chunk(self.meta, "chat.completion.chunk", c, timings)))
         return out + [R.SSE_DONE]
@@ -307,16 +335,22 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (``stream`` supported; ``n`` must be 1)."""
         req, model = await body_of(request, ChatCompletionRequest)
-        ids = state.prompts.chat(req.messages, req.chat_template_kwargs)
+        tools = active_tools(req.tools, req.tool_choice)
+        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        system = tool_prompt(tools, must_call) if tools else None
+        ids = state.prompts.chat(req.messages, req.chat_template_kwargs, system=system)
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages")
+        spec = tool_grammar(tools, must_call, req.parallel_tool_calls) if tools else None
+        job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages",
+                             constraint_spec=spec)
         meta = R.ResponseMeta.new("chatcmpl", model)
         lps = logprobs_of(job, req.top_logprobs or 0)
         ticket = state.submit(job)
         if req.stream:
-            return await stream(request, "chat", ticket, ChatStream(meta, lps))
+            return await stream(request, "chat", ticket, ChatStream(meta, lps, tools=bool(tools)))
         c = await run_to_end(request, ticket)
-        return JSONResponse(R.chat_response(meta, c, timings_of(c), lps))
+        calls = parse_calls(c.text) if tools else None
+        return JSONResponse(R.chat_response(meta, c, timings_of(c), lps, calls))
 
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)

@@ -61,7 +61,8 @@ class PromptBuilder:
         """The Jinja template in use, or the built-in format's name."""
         return self.jinja if self.builtin is None else self.builtin
 
-    def chat(self, messages: list[ChatMessage], template_kwargs: dict | None = None) -> list[int]:
+    def chat(self, messages: list[ChatMessage], template_kwargs: dict | None = None,
+             system: str | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template + the assistant prefix.
 
         Raises:
@@ -71,7 +72,14 @@ class PromptBuilder:
         if not self.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions or /completion "
                               "with a plain prompt", param="messages")
-        rendered = [{"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in messages]
+        from flashdraft.server.tools import history_message
+
+        rendered = [history_message(ROLE_ALIASES.get(m.role, m.role), m.text(), m.tool_calls) for m in messages]
+        if system:  # server-written instructions (the tool list): first in the system turn
+            if rendered and rendered[0]["role"] == "system":
+                rendered[0] = {"role": "system", "content": system + "\n\n" + rendered[0]["content"]}
+            else:
+                rendered.insert(0, {"role": "system", "content": system})
         kwargs = {**self.template_kwargs, **(template_kwargs or {})}
         if self.builtin is not None:
             segments = chat_templates.BUILTIN[self.builtin](rendered, True)

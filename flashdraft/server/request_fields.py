@@ -14,7 +14,7 @@ from flashdraft.server.errors import bad_request
 
 HARMLESS = frozenset({
     # OpenAI client metadata
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
     # llama-server knobs that need another field to do anything, or that change no answer here
     "id_slot", "n_keep", "min_keep", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
     "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold", "repeat_last_n", "penalty_last_n",
@@ -27,9 +27,7 @@ NEUTRAL: dict[str, tuple] = {
     "tfs_z": (1,), "top_a": (0,), "mirostat": (0,), "dry_multiplier": (0,), "xtc_probability": (0,),
     "top_n_sigma": (-1, 0), "dynatemp_range": (0,), "n_cmpl": (1,), "n_indent": (0,),
     "t_max_predict_ms": (0,), "post_sampling_probs": (False,), "timings_per_token": (False,),
-    "return_progress": (False,), "lora": ([],), "response_fields": (None, []), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "json_schema": (None, {}), "grammar": (None, ""),
+    "return_progress": (False,), "lora": ([],), "response_fields": (None, []), "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
     "web_search_options": (None,), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
@@ -37,10 +35,7 @@ NEUTRAL: dict[str, tuple] = {
 
 #: fields whose 400 says what to use instead
 HINTS = {
-    "tools": "tool calls are not supported yet; send the tool descriptions in the prompt",
-    "response_format": "structured output is not supported yet",
-    "json_schema": "structured output is not supported yet",
-    "grammar": "grammars are not supported yet",
+    "functions": "use tools (the newer form)",
 }
 
 

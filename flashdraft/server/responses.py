@@ -102,13 +102,19 @@ def usage(t: Timings) -> dict:
 
 # -- /v1/chat/completions ------------------------------------------------------------------
 
-def chat_response(meta: ResponseMeta, c: Completion, timings: dict, logprobs: Logprobs | None = None) -> dict:
-    """Non-streamed ``chat.completion``."""
+def chat_response(meta: ResponseMeta, c: Completion, timings: dict, logprobs: Logprobs | None = None,
+                  tool_calls: list[dict] | None = None) -> dict:
+    """Non-streamed ``chat.completion``; with ``tool_calls``, the message carries them (no
+    content) and ``finish_reason`` is ``tool_calls``."""
+    message = {"role": "assistant", "content": c.text}
+    finish = c.finish_reason
+    if tool_calls:
+        message, finish = {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
     return {
         "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": logprobs.chat(c.logprobs) if logprobs else None, "finish_reason": c.finish_reason}],
+        "choices": [{"index": 0, "message": message,
+                     "logprobs": logprobs.chat(c.logprobs) if logprobs else None, "finish_reason": finish}],
         "usage": usage(c.timings), "timings": timings,
     }
 

@@ -50,6 +50,7 @@ class GenerationJob:
             the slot decoded last.
         logit_bias: ``{token_id: bias}`` on the target's logits (``-inf`` bans).
         n_probs: log-probabilities of each returned token and its top ``n_probs`` alternatives.
+        constraint: the request's grammar (:class:`~flashdraft.constraints.Constraint`), or None.
     """
 
     prompt_ids: list[int]
@@ -60,6 +61,7 @@ class GenerationJob:
     cache_prompt: bool = True
     logit_bias: dict[int, float] | None = None
     n_probs: int = 0
+    constraint: object = None
 
 
 class JobFailed(Exception):
@@ -301,7 +303,7 @@ class Scheduler:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
                                                 ignore_eos=job.ignore_eos, cancelled=stopped,
                                                 cache_prompt=job.cache_prompt, logit_bias=job.logit_bias,
-                                                n_probs=job.n_probs):
+                                                n_probs=job.n_probs, constraint=job.constraint):
                 if self.metrics:
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
@@ -374,7 +376,7 @@ class Scheduler:
             try:
                 batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
                             stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt,
-                            logit_bias=job.logit_bias, n_probs=job.n_probs)
+                            logit_bias=job.logit_bias, n_probs=job.n_probs, constraint=job.constraint)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

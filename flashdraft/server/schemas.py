@@ -32,6 +32,8 @@ MAX_BATCH_PROMPTS = 64
 MAX_N_PROBS = 20
 #: most ``logit_bias`` entries (each is one column write per step)
 MAX_LOGIT_BIAS = 1024
+#: longest grammar or JSON schema (characters of its text): compiled per request
+MAX_GRAMMAR_CHARS = 64 * 1024
 
 #: one prompt, normalised: text, or token ids mixed with text pieces
 OnePrompt = str | list[int | str]
@@ -62,6 +64,46 @@ class SamplingFields(_Strict):
     cache_prompt: bool | None = None
     #: OpenAI ``{"token_id": bias}`` or llama-server's ``[[id or text, bias or false], ...]``
     logit_bias: dict | list | None = None
+    #: llama-server's constraints: a JSON schema, or a GBNF grammar
+    json_schema: dict | None = None
+    grammar: str | None = None
+    #: OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``
+    response_format: dict | None = None
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar_size(cls, v):
+        if v is not None and len(v) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"grammar may have at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}")
+        return v
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_size(cls, v):
+        if v is not None and len(json.dumps(v)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"json_schema may have at most {MAX_GRAMMAR_CHARS} characters of JSON")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        response_constraint(v)
+        return v
+
+    def constraint_spec(self) -> tuple[str, object] | None:
+        """``(kind, source)`` for :func:`flashdraft.constraints.compile_grammar`, or None.
+
+        Raises:
+            APIError: 400 when more than one of ``grammar``, ``json_schema`` and a
+                constraining ``response_format`` is given.
+        """
+        given = [(name, spec) for name, spec in (
+            ("grammar", None if self.grammar is None else ("gbnf", self.grammar)),
+            ("json_schema", None if self.json_schema is None else ("json_schema", self.json_schema)),
+            ("response_format", response_constraint(self.response_format))) if spec is not None]
+        if len(given) > 1:
+            raise bad_request(f"give one constraint, not {' and '.join(n for n, _ in given)}", param=given[1][0])
+        return given[0][1] if given else None
 
     @field_validator("logit_bias")
     @classmethod
@@ -159,6 +201,31 @@ def bias_entries(v: dict | list | None) -> list[tuple[int | str, float]]:
     return out
 
 
+def response_constraint(v: dict | None) -> tuple[str, object] | None:
+    """OpenAI ``response_format`` as ``(kind, source)``; None for ``text`` or absent.
+
+    Raises:
+        ValueError: an unknown type, or ``json_schema`` without a schema object.
+    """
+    if v is None:
+        return None
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":  # llama-server also takes a schema here
+        schema = v.get("schema")
+        return ("json_schema", schema) if isinstance(schema, dict) else ("json_object", None)
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        if len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the schema may have at most {MAX_GRAMMAR_CHARS} characters of JSON")
+        return ("json_schema", schema)
+    raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+
+
 class StreamOptions(_Strict):
     """OpenAI ``stream_options``."""
 
@@ -193,6 +260,10 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: an assistant turn's calls (OpenAI shape), written back into the prompt
+    tool_calls: list[dict] | None = None
+    #: a ``tool`` turn: the call this result answers
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined without separator)."""
@@ -210,6 +281,10 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    #: OpenAI function tools (see :mod:`flashdraft.server.tools`)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     #: extra variables for the chat template (e.g. ``enable_thinking``)
     chat_template_kwargs: dict | None = None
 

@@ -123,6 +123,12 @@ class ServerState:
             if self.on_load_failed is not None:
                 self.on_load_failed(e)
             return
+        try:  # the grammar engine's view of the vocabulary (≈ 2 s), before the first request needs it
+            from flashdraft.constraints import TokenizerInfo
+
+            TokenizerInfo.for_target(generator.target)
+        except Exception as e:  # noqa: BLE001 - constrained requests will report it themselves
+            log.warning("grammar constraints unavailable: %s", e)
         self.set_ready(generator)
         log.info("model loaded in %.1f s; serving %r", time.perf_counter() - t0, self.model_id)
 
@@ -179,6 +185,36 @@ class ServerState:
         guide's script sends ``"local-gemma"``). ``/v1/models`` still names the alias."""
         return self.model_id
 
+    def constraint(self, req: SamplingFields, spec: tuple[str, object] | None = None):
+        """The request's grammar constraint (``grammar``, ``json_schema``, ``response_format``,
+        or ``spec`` when given), compiled, or None.
+
+        Raises:
+            APIError: 400 naming the problem for a schema or grammar that does not compile.
+        """
+        from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
+
+        own = req.constraint_spec()
+        if spec is not None and own is not None:
+            raise bad_request("tools cannot be combined with response_format, json_schema or grammar", param="tools")
+        spec = spec or own
+        if spec is None:
+            return None
+        param = {"gbnf": "grammar"}.get(spec[0], "json_schema" if req.json_schema is not None else "response_format")
+        try:
+            grammar = compile_grammar(*spec)
+        except GrammarError as e:
+            raise bad_request(f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
+        try:
+            info = TokenizerInfo.for_target(self.generator.target)
+        except Exception as e:  # noqa: BLE001 - llguidance cannot read this tokenizer (e.g. word-level)
+            raise bad_request(f"{param}: grammar constraints are not available for this model's tokenizer ({e})",
+                              param=param, code="grammar_unsupported") from None
+        try:
+            return Constraint(info, grammar)
+        except GrammarError as e:
+            raise bad_request(f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
+
     def logit_bias(self, req: SamplingFields) -> dict[int, float] | None:
         """``logit_bias`` as ``{token_id: bias}``: a text key biases each of its tokens.
         Raises APIError 400 for an id outside the vocabulary."""
@@ -193,7 +229,8 @@ class ServerState:
         return out
 
     def make_job(self, prompt_ids: list[int], max_tokens: int | None, req: SamplingFields,
-                 limit_param: str = "max_tokens", prompt_param: str = "prompt") -> GenerationJob:
+                 limit_param: str = "max_tokens", prompt_param: str = "prompt",
+                 constraint_spec: tuple[str, object] | None = None) -> GenerationJob:
         """Validate a tokenised request against the context and sampling rules.
 
         Args:
@@ -224,10 +261,11 @@ class ServerState:
         limit = min(max_tokens, room) if max_tokens is not None and max_tokens > 0 else room
         s = self.settings
         n_probs = req.logprob_count() if hasattr(req, "logprob_count") else 0
+        constraint = self.constraint(req, constraint_spec)
         return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(),
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
                              cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
-                             logit_bias=self.logit_bias(req), n_probs=n_probs)
+                             logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.
