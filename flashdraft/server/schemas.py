@@ -309,14 +309,10 @@ class ChatCompletionRequest(_OpenAIFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_OpenAIFields):
-    """``POST /v1/completions``: ``prompt`` in any of :func:`split_prompts`' forms."""
+class _PromptForms(_Strict):
+    """``prompt`` in any of :func:`split_prompts`' forms (``/v1/completions``, ``/completion``)."""
 
     prompt: str | dict | list
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -327,6 +323,14 @@ class CompletionRequest(_OpenAIFields):
     def prompts(self) -> list[OnePrompt]:
         """The request's prompts (one result each)."""
         return split_prompts(self.prompt)
+
+
+class CompletionRequest(_OpenAIFields, _PromptForms):
+    """``POST /v1/completions``: ``prompt`` in any of :func:`split_prompts`' forms."""
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    suffix: str | None = None
 
     @field_validator("echo")
     @classmethod
@@ -355,13 +359,12 @@ class CompletionRequest(_OpenAIFields):
 
 
 
-class LlamaCompletionRequest(SamplingFields):
+class LlamaCompletionRequest(SamplingFields, _PromptForms):
     """``POST /completion`` (llama-server's native endpoint).
 
     ``n_predict``: -1 = until EOS, a stop or the end of the context; otherwise >= 1.
     """
 
-    prompt: str | dict | list
     n_predict: int = Field(-1, ge=-1)
     #: put the generated token ids in ``tokens`` (llama-server: off by default)
     return_tokens: bool = False
@@ -371,16 +374,6 @@ class LlamaCompletionRequest(SamplingFields):
     def logprob_count(self) -> int:
         """Alternatives per token to return; 0 = none."""
         return self.n_probs
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_forms(cls, v):
-        split_prompts(v)
-        return v
-
-    def prompts(self) -> list[OnePrompt]:
-        """The request's prompts (one result each)."""
-        return split_prompts(self.prompt)
 
     @field_validator("n_predict")
     @classmethod
