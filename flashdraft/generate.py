@@ -363,8 +363,10 @@ class Sequence:
         self._depth, self._standing = self._choose_depth()
         room = min(self._depth, self.max_tokens - t.predicted_n - 1, self.ctx_size - self.tokens.shape[0])
         self._t0 = time.perf_counter()
-        self._draft = (self.drafter.propose(self.tokens, room, self.params, self.gen, self.constraint)
-                       if room > 0 else None)
+        # the constraint goes only to drafters of a constrained request: a drafter written
+        # against the older four-argument propose() keeps working everywhere else
+        extra = {} if self.constraint is None else {"constraint": self.constraint}
+        self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen, **extra) if room > 0 else None
         self._drafts = self._draft.tokens[:room] if self._draft is not None else torch.empty(0, dtype=torch.long)
         if self.constraint is not None and self._drafts.numel():
             self._drafts = self._drafts[: self._grammar_prefix(self._drafts.tolist())]
