@@ -22,16 +22,18 @@ class StaticKVCache:
         head_dim: channels per head.
         capacity: positions allocated up front (pass the context size to never grow).
         dtype: K/V dtype (the model's compute dtype).
+        device: where the buffer lives (the model's device).
     Attributes:
         length: positions whose K/V are valid (``0..length-1``).
         capacity: positions allocated.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.n_layers, self.n_kv_heads, self.head_dim, self.dtype = n_layers, n_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
         self.length = 0
         self._allocate(capacity)
 
@@ -39,7 +41,8 @@ class StaticKVCache:
         # torch.empty: pages are touched only where K/V get written, so a large capacity
         # costs address space, not time. One buffer [layers, 2, kv_heads, capacity, hd].
         old = getattr(self, "buffer", None)
-        self.buffer = torch.empty(self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim, dtype=self.dtype)
+        self.buffer = torch.empty(self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                                  device=self.device)
         if old is not None and self.length:
             self.buffer[:, :, :, : self.length].copy_(old[:, :, :, : self.length])
         self.capacity = capacity

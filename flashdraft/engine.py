@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.adaptive import make_controller
+from flashdraft.device import log_device, resolve_device
 from flashdraft.fast_forward import QUANT_MAX_ROWS
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
@@ -54,6 +55,9 @@ class EngineConfig:
             bytes a decode step reads but is fast only on CPUs with AVX512-BF16/AMX; q4 runs a
             GGUF's Q4_0/Q4_1 projections on the int4 kernel (:mod:`flashdraft.quant`). Greedy
             speculative output equals the greedy baseline under the same weights.
+        device: ``auto`` (CUDA, then MPS, then CPU), ``cpu``, ``cuda[:N]``, ``mps``
+            (``--device``): where the target, drafter, caches and sampler live. q4 weights
+            and compressed KV cache types are CPU-only.
     """
 
     model: str | None = None
@@ -78,8 +82,9 @@ class EngineConfig:
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
 
-    def validate(self) -> None:
-        """Checks that need no model: spec type, controller, cache types and token counts.
+    def validate(self, device: torch.device | None = None) -> None:
+        """Checks that need no model: spec type, controller, cache types, token counts and
+        the device (``device``: the one the models are on already, else :attr:`device` resolved).
 
         Raises:
             ValueError: with the flag to fix.
@@ -89,6 +94,15 @@ class EngineConfig:
         make_controller(self.controller, 1)
         self.kv_spec()
         self.kv_spec(draft=True)
+        device = device or resolve_device(self.device)  # DeviceUnavailableError (a ValueError) when absent
+        if device.type != "cpu":
+            if self.weights == "q4":
+                raise ValueError(f"--weights q4 runs on CPU-only int4 kernels: use --device cpu, or --weights "
+                                 f"fp32/bf16 on {device}")
+            for label, spec in (("-ctk/-ctv", self.kv_spec()), ("-ctkd/-ctvd", self.kv_spec(draft=True))):
+                if not spec.plain and (label == "-ctk/-ctv" or self.spec_type in ("dflash", "hybrid")):
+                    raise ValueError(f"{label} {spec.label()}: compressed KV caches run on the CPU only: use f32 "
+                                     f"on {device}, or --device cpu")
         if self.weights == "q4" and self.spec_type != "none" and self.n_draft >= QUANT_MAX_ROWS:
             raise ValueError(f"--weights q4 keeps verify blocks bit-identical to one-token steps up to "
                              f"{QUANT_MAX_ROWS} rows: use --spec-draft-n-max < {QUANT_MAX_ROWS}")
@@ -112,6 +126,7 @@ class EngineConfig:
             raise ValueError(f"--kv-sink-tokens / --kv-tail-tokens cannot exceed the context size ({self.ctx_size})")
         return KVCacheSpec(k, v, self.kv_sink_tokens, self.kv_tail_tokens)
     weights: str = "fp32"
+    device: str = "auto"
 
 
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
@@ -140,7 +155,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         from flashdraft.drafters.draft_model import DraftModelDrafter
         if not cfg.draft_model:
             raise ValueError("--spec-type draft needs --spec-draft-model PATH (a small model with the target's tokenizer)")
-        model = target.model if cfg.draft_model == "target" else load_hf_model(cfg.draft_model, cfg.dtype)[0]
+        model = (target.model if cfg.draft_model == "target"
+                 else load_hf_model(cfg.draft_model, cfg.dtype, target.device)[0])
         return DraftModelDrafter(model, target.vocab_size)
     try:
         draft_kv = cfg.kv_spec(draft=True)
@@ -156,9 +172,9 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
     if path.startswith("random"):
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
-        model = random_dflash_model(target.model, num_layers=layers)
+        model = random_dflash_model(target.model, num_layers=layers).to(target.device)
     else:
-        model = load_dflash_model(path, cfg.dtype)
+        model = load_dflash_model(path, cfg.dtype, target.device)
     try:
         drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
         if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
@@ -180,15 +196,19 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     initialisation (the first forward of a process is several times slower on CPU).
 
     Raises:
-        ValueError: unknown spec type, controller or weights, or a drafter that needs a path and has none.
+        ValueError: unknown spec type, controller or weights, a drafter that needs a path and
+            has none, or a device that is absent (:class:`~flashdraft.device.DeviceUnavailableError`)
+            or cannot run the asked weights / cache types.
     """
-    cfg.validate()  # refuse bad settings before loading anything
+    cfg.validate(None if target is None else target.device)  # refuse bad settings before loading anything
     kv = cfg.kv_spec()
     if cfg.spec_type not in ("dflash", "hybrid") and not cfg.kv_spec(draft=True).plain:
         log.warning("-ctkd/-ctvd apply to the DFlash drafter's cache only; ignored with --spec-type %s",
                     cfg.spec_type)
     if target is None:
-        target = Target.load(cfg.model, weights=cfg.weights)
+        device = resolve_device(cfg.device)
+        log_device(cfg.device, device)
+        target = Target.load(cfg.model, weights=cfg.weights, device=device)
     drafter = load_drafter(cfg, target)
     controller = None
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:

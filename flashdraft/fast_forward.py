@@ -23,9 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import logging
+
 from flashdraft.cache import StaticKVCache
 from flashdraft.kv_cache import KVCacheSpec, QuantizedKVCache
 from flashdraft.quant import Int4Linear, Int8Linear, Q4Weight
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 #: RoPE types with a fixed inverse-frequency vector; "dynamic"/"longrope" rescale per length
@@ -159,16 +163,19 @@ class LeanForward:
         model: a transformers ``*ForCausalLM`` for which :func:`unsupported_reason` is None.
         pack: prepack the projection and LM-head weights for oneDNN (a second copy of the
             weights in a blocked layout; q/k/v and gate/up fused). None = only for bf16
-            weights, where it pays (docs/performance.md). Unpacked, the forward reads the
+            weights on the CPU, where it pays (docs/performance.md). oneDNN packing is
+            CPU-only: on another device the portable ``F.linear`` path runs (logged). Unpacked, the forward reads the
             model's modules at every call (nothing copied; a later ``model.to(...)`` is seen);
             packed, it is a snapshot: build a new LeanForward after changing the weights.
         attn_dtype: dtype of the attention arithmetic; None = float32 for float32 weights,
             float64 otherwise (what keeps bf16 speculative decoding token-identical to the
-            bf16 baseline; float32 is faster but only nearly identical).
+            bf16 baseline; float32 is faster but only nearly identical); float32 on MPS,
+            which has no float64.
         q4: ``{module name: Q4Weight}`` from :func:`flashdraft.quant.read_q4`: those
-            projections run on the int4 kernel (``--weights q4``); the others as above.
+            projections run on the int4 kernel (``--weights q4``, CPU only); the others as above.
     Raises:
-        ValueError: the model is not supported (with the reason).
+        ValueError: the model is not supported (with the reason), or ``q4`` with weights
+            that are not on the CPU.
     """
 
     def __init__(self, model, pack: bool | None = None, attn_dtype: torch.dtype | None = None,
@@ -191,8 +198,15 @@ class LeanForward:
         self.eps = float(cfg.rms_norm_eps)
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         dtype = self.embed.weight.dtype
+        #: every cache, table and mask of this forward is made here (the weights' device)
+        self.device = self.embed.weight.device
+        on_cpu = self.device.type == "cpu"
+        if q4 and not on_cpu:
+            raise ValueError(f"--weights q4: the int4 kernels are CPU-only; the weights are on {self.device}")
         self.pack = (dtype == torch.bfloat16) if pack is None else bool(pack)
-        self.pack = self.pack and can_pack(dtype)
+        if self.pack and not on_cpu:  # oneDNN's prepacked linears run on the CPU only
+            log.info("lean forward on %s: oneDNN weight prepacking is CPU-only, portable F.linear path", self.device)
+        self.pack = self.pack and on_cpu and can_pack(dtype)
         # K/V are stored in the weights' dtype (with bf16 weights they are bf16 values
         # anyway). Attention runs in float32, or in float64 for bf16 weights: float32 sums a
         # verify block in another order than a 1-token step, and that ~1e-7 noise flips bf16
@@ -201,7 +215,8 @@ class LeanForward:
         # never does. Costs ~2x attention time; docs/performance.md has the numbers.
         # q4 too: its kernels round their inputs to bf16, which would turn the same ~1e-7
         # float32 noise into different rows of a verify block and a one-token step
-        self.attn_dtype = attn_dtype or (torch.float32 if dtype == torch.float32 and not q4 else torch.float64)
+        exact = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        self.attn_dtype = attn_dtype or (torch.float32 if dtype == torch.float32 and not q4 else exact)
         self.q4 = bool(q4)
         q4 = {id(m): q4[name] for name, m in model.named_modules() if name in q4} if q4 else None
         # per layer: (q, k, v) projections, o_proj, (gate, up), down
@@ -218,7 +233,7 @@ class LeanForward:
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self._cos = self._sin = torch.empty(0)
+        self._cos = self._sin = torch.empty(0, device=self.device)
         self._rope_table(min(int(getattr(cfg, "max_position_embeddings", 0) or 0) or 4096, 4096))  # grown on demand
 
     @property
@@ -234,8 +249,11 @@ class LeanForward:
             ValueError: a cache type this head_dim cannot use.
         """
         if kv is not None and not kv.plain:
+            if self.device.type != "cpu":
+                raise ValueError(f"compressed KV cache types ({kv.label()}) run on the CPU only; use -ctk/-ctv f32 "
+                                 f"on {self.device}, or --device cpu")
             return QuantizedKVCache(kv, self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
-        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def _rope_table(self, n: int) -> None:
         """cos/sin ``[n, head_dim]`` for positions ``0..n-1``, computed like transformers'
@@ -243,7 +261,7 @@ class LeanForward:
         if n <= self._cos.shape[0] and self._cos.dtype == self.dtype:
             return
         n = max(n, 2 * self._cos.shape[0])
-        angles = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq  # [n, hd/2]
+        angles = torch.arange(n, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq  # [n, hd/2]
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         self._cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
         self._sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # signed for _rope
@@ -319,14 +337,16 @@ class LeanForward:
         causal = L == 0 and T > 1 and not quantized
         bias = None
         if T > 1 and not causal and not quantized:
-            allowed = torch.ones(T, S, dtype=torch.bool).tril_(L)  # row t: positions <= L+t
-            bias = torch.zeros(T, S, dtype=self.attn_dtype).masked_fill_(allowed.logical_not(), float("-inf"))
+            allowed = torch.ones(T, S, dtype=torch.bool, device=self.device).tril_(L)  # row t: positions <= L+t
+            bias = torch.zeros(T, S, dtype=self.attn_dtype, device=self.device)
+            bias.masked_fill_(allowed.logical_not(), float("-inf"))
             bias = bias.repeat(self.group, 1)  # [group*T, S], rows ordered like the GQA query rows
         want = set(feature_layer_ids)
         kept: dict[int, torch.Tensor] = {}  # layer id -> its output [T, H] (ids may repeat)
         eps = self.eps
 
-        x = F.embedding(token_ids, self.embed.weight)  # [T, H]
+        # the step's only host->device copy: its token ids
+        x = F.embedding(token_ids.to(self.device), self.embed.weight)  # [T, H]
         for i in range(self.n_layers):
             q, k, v = self._qkv(i, x, cos, sin)
             ad = self.attn_dtype  # no-ops for float32 weights
@@ -356,9 +376,9 @@ class LeanForward:
         causal = L == 0 and T > 1
         if T == 1 or causal:
             return causal, None
-        allowed = torch.ones(T, L + T, dtype=torch.bool).tril_(L)
-        bias = torch.zeros(T, L + T, dtype=self.attn_dtype).masked_fill_(allowed.logical_not(), float("-inf"))
-        return False, bias.repeat(self.group, 1)
+        allowed = torch.ones(T, L + T, dtype=torch.bool, device=self.device).tril_(L)
+        bias = torch.zeros(T, L + T, dtype=self.attn_dtype, device=self.device)
+        return False, bias.masked_fill_(allowed.logical_not(), float("-inf")).repeat(self.group, 1)
 
     def forward_packed(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
                        feature_layer_ids: list[int] | tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -416,13 +436,13 @@ class LeanForward:
             spans.append((row, T, L, L + T, *self._block_mask(T, L)))
             row += T
         self._rope_table(max(s[3] for s in spans))
-        positions = torch.cat([torch.arange(L, S) for _, _, L, S, _, _ in spans])
+        positions = torch.cat([torch.arange(L, S, device=self.device) for _, _, L, S, _, _ in spans])
         cos, sin = self._cos[positions, None], self._sin[positions, None]  # [N, 1, hd]
         want = set(feature_layer_ids)
         kept: dict[int, torch.Tensor] = {}
         eps, ad = self.eps, self.attn_dtype
 
-        x = F.embedding(torch.cat([t for t, _, _ in items]), self.embed.weight)  # [N, H]
+        x = F.embedding(torch.cat([t for t, _, _ in items]).to(self.device), self.embed.weight)  # [N, H]
         for i in range(self.n_layers):
             q, k, v = self._qkv(i, x, cos, sin)
             parts = []
@@ -440,7 +460,8 @@ class LeanForward:
             cache.length = S
 
         # one LM-head matmul over the rows that need logits, split back per sequence
-        rows = torch.cat([torch.arange(r + lf, r + T) for (r, T, *_), (_, _, lf) in zip(spans, items)])
+        rows = torch.cat([torch.arange(r + lf, r + T, device=self.device)
+                          for (r, T, *_), (_, _, lf) in zip(spans, items)])
         logits = self.lm_head(_rms_norm(x[rows], self.final_norm.weight, eps))[0].float()
         out = []
         for (r, T, *_), part in zip(spans, logits.split([T - lf for (_, T, *_), (_, _, lf) in zip(spans, items)])):
@@ -461,7 +482,7 @@ class LeanForward:
         T = int(token_ids.shape[0])
         if T >= kv.capacity:
             raise ValueError(f"prompt of {T} tokens does not fit a batch cache of {kv.capacity} positions")
-        cache = StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, T, self.dtype)
+        cache = StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, T, self.dtype, self.device)
         logits, features = self.forward(token_ids, cache, 0, feature_layer_ids)
         for i in range(self.n_layers):
             kv.k[i][row, :, :T] = cache.k[i][:, :T]
@@ -488,12 +509,12 @@ class LeanForward:
             raise ValueError(f"a row would pass the batch cache capacity {kv.capacity}")
         self._rope_table(S)
         cos, sin = self._cos[pos, None], self._sin[pos, None]  # [N, 1, hd]
-        rows, ad = torch.arange(N), self.attn_dtype
-        bias = torch.zeros(N, 1, 1, S, dtype=ad)  # -inf past each row's own length
-        bias.masked_fill_((torch.arange(S)[None] > pos[:, None])[:, None, None], float("-inf"))
+        rows, ad = torch.arange(N, device=self.device), self.attn_dtype
+        bias = torch.zeros(N, 1, 1, S, dtype=ad, device=self.device)  # -inf past each row's own length
+        bias.masked_fill_((torch.arange(S, device=self.device)[None] > pos[:, None])[:, None, None], float("-inf"))
         nkv, g, hd = self.n_kv_heads, self.group, self.head_dim
         want, kept = set(feature_layer_ids), {}
-        x = F.embedding(token_ids, self.embed.weight)  # [N, H]
+        x = F.embedding(token_ids.to(self.device), self.embed.weight)  # [N, H]
         for i in range(self.n_layers):
             q, k, v = self._qkv(i, x, cos, sin)  # [N, nh, hd], [N, nkv, hd] x2
             kv.k[i][rows, :, pos] = k
@@ -521,7 +542,7 @@ class BatchKV:
 
     def __init__(self, lean: LeanForward, n_rows: int, capacity: int):
         shape = (n_rows, lean.n_kv_heads, capacity, lean.head_dim)
-        self.k = [torch.zeros(shape, dtype=lean.dtype) for _ in range(lean.n_layers)]
-        self.v = [torch.zeros(shape, dtype=lean.dtype) for _ in range(lean.n_layers)]
-        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.k = [torch.zeros(shape, dtype=lean.dtype, device=lean.device) for _ in range(lean.n_layers)]
+        self.v = [torch.zeros(shape, dtype=lean.dtype, device=lean.device) for _ in range(lean.n_layers)]
+        self.lengths = torch.zeros(n_rows, dtype=torch.long, device=lean.device)
         self.capacity = capacity

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from flashdraft.adaptive import ProfitController, SourcedController
+from flashdraft.device import HOST
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
@@ -304,10 +305,12 @@ class Sequence:
         self.drafter = generator.drafter if drafter is None else drafter
         self.controller = generator.controller if controller is None else controller
         self.drafting = not isinstance(self.drafter, NoDrafter)
-        self.gen = params.make_generator()
+        self.gen = params.make_generator(target.device)  # sampled where the logits are
         self.eos = set() if ignore_eos else target.eos_token_ids
         self.stream = TextStream(target.decode, stop)
-        self.tokens = torch.tensor(prompt_ids, dtype=torch.long)  # committed ids (the last: the anchor)
+        # committed ids (the last: the anchor), host-side: stops, prompt lookup and the
+        # grammar read them; the forward copies only each step's few new ids to the device
+        self.tokens = torch.tensor(prompt_ids, dtype=torch.long, device=HOST)
         self.prefilled = False
         self.finish_reason: str | None = None
         # prompt cache: the drafter keeps the shared prefix's context (as much as it can),
@@ -324,15 +327,15 @@ class Sequence:
         self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
         self.bias = None
         if logit_bias:
-            self.bias = (torch.tensor(list(logit_bias), dtype=torch.long),
-                         torch.tensor(list(logit_bias.values()), dtype=torch.float32))
+            self.bias = (torch.tensor(list(logit_bias), dtype=torch.long, device=target.device),
+                         torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=target.device))
         self.n_probs = n_probs
         self.constraint = constraint
         if self.controller is not None:
             self.controller.start_request()
         # filled by prepare() for finish(): this step's drafts, depth and start time
         self._draft = None
-        self._drafts = torch.empty(0, dtype=torch.long)
+        self._drafts = torch.empty(0, dtype=torch.long, device=HOST)
         self._depth = self._standing = 0
         self._t0 = self._t1 = 0.0
         self._ctrl = None  # the controller that chose this step's depth (per source for a hybrid)
@@ -367,7 +370,8 @@ class Sequence:
         # against the older four-argument propose() keeps working everywhere else
         extra = {} if self.constraint is None else {"constraint": self.constraint}
         self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen, **extra) if room > 0 else None
-        self._drafts = self._draft.tokens[:room] if self._draft is not None else torch.empty(0, dtype=torch.long)
+        self._drafts = (self._draft.tokens[:room] if self._draft is not None
+                        else torch.empty(0, dtype=torch.long, device=HOST))
         if self.constraint is not None and self._drafts.numel():
             self._drafts = self._drafts[: self._grammar_prefix(self._drafts.tolist())]
         # 3. verify: one target forward over [anchor, drafts]
@@ -394,7 +398,7 @@ class Sequence:
         # the first token; the prompt's features become the drafter's context
         first = choose_token(logits[-1], self.params, self.gen)
         self.drafter.commit(self.tokens.shape[0], features)
-        self.tokens = torch.cat([self.tokens, torch.tensor([first])])
+        self.tokens = torch.cat([self.tokens, torch.tensor([first], device=HOST)])
         self.prefilled = True
         self._t1 = time.perf_counter()
         t = self.t
@@ -419,7 +423,7 @@ class Sequence:
         anchor_at = self.tokens.shape[0] - 1
         self.cache.rollback(anchor_at + n_acc + 1)
         new = drafts[:n_acc].tolist() + [bonus]
-        self.tokens = torch.cat([self.tokens, torch.tensor(new)])
+        self.tokens = torch.cat([self.tokens, torch.tensor(new, dtype=torch.long, device=HOST)])
         self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
         if self._ctrl is not None:  # what this depth cost: draft + verify + rollback [s]
             self._ctrl.update(n, n_acc, time.perf_counter() - self._t0)
@@ -470,7 +474,7 @@ class Sequence:
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int) -> list[TokenLogprob]:
     """:class:`TokenLogprob` of ``token_ids[i]`` from row i of ``logits [len(token_ids), V]``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
     top_v, top_i = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
     return [TokenLogprob(tok, c, list(zip(ids, vals)))
             for tok, c, ids, vals in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]

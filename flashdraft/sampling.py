@@ -51,9 +51,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator:
-        """A CPU generator seeded with ``seed`` (or from the OS when seed is None)."""
-        gen = torch.Generator()
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator on ``device`` (where the logits are sampled) seeded with ``seed``, or
+        from the OS when seed is None. The same seed gives another stream on another device."""
+        gen = torch.Generator(device=device)
         if self.seed is None:
             gen.seed()
         else:
@@ -110,12 +111,12 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     """Greedy verify: accept the longest draft prefix equal to the target's argmax.
 
     Args:
-        draft_tokens: ``[n]`` proposed token ids (n may be 0).
-        target_logits: ``[n+1, V]`` target logits at [anchor, draft_1..draft_n].
+        draft_tokens: ``[n]`` proposed token ids (n may be 0), on the host.
+        target_logits: ``[n+1, V]`` target logits at [anchor, draft_1..draft_n], on any device.
     Returns:
         ``(n_accepted, bonus_token)``: the target's argmax after the accepted prefix.
     """
-    argmax = torch.argmax(target_logits, dim=-1)  # [n+1]
+    argmax = torch.argmax(target_logits, dim=-1).to(draft_tokens.device)  # [n+1]: ids only cross
     n = draft_tokens.shape[0]
     matches = (draft_tokens == argmax[:n]).to(torch.int64)
     n_accepted = int(matches.cumprod(0).sum()) if n else 0
@@ -137,11 +138,11 @@ def verify_sampling(
     "accept if the target's sample equals the draft" of the DFlash reference.
 
     Args:
-        draft_tokens: ``[n]`` proposed ids.
+        draft_tokens: ``[n]`` proposed ids (host).
         draft_probs: ``[n, V]`` drafter distributions the tokens were sampled from, or None
-            when the draft was deterministic.
+            when the draft was deterministic; on the target's device.
         target_probs: ``[n+1, V]`` filtered target distributions at [anchor, drafts].
-        generator: the request's random generator.
+        generator: the request's random generator, on ``target_probs``' device.
     Returns:
         ``(n_accepted, bonus_token)``.
     """
@@ -150,7 +151,7 @@ def verify_sampling(
         x = int(draft_tokens[k])
         p_x = float(target_probs[k, x])
         q_x = 1.0 if draft_probs is None else float(draft_probs[k, x])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=generator.device))
         if q_x > 0 and u < min(1.0, p_x / q_x):
             continue
         # rejected: sample from the residual distribution

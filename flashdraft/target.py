@@ -68,12 +68,15 @@ def default_model_path() -> Path:
     return path
 
 
-def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32):
+def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu"):
     """Load ``(model, tokenizer)`` with transformers from a GGUF file or HF directory.
 
     Args:
         path: ``*.gguf`` file, a directory with ``config.json`` (safetensors), a hub id
             (needs network), or None for the packaged default.
+        dtype: weight dtype.
+        device: where the weights go (loaded on the CPU, then moved once).
     Raises:
         ModelNotFoundError: a local path that does not exist.
     """
@@ -95,6 +98,7 @@ def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32):
         src, extra = str(path), {}  # a hub id; works only where the hub is reachable
     tokenizer = AutoTokenizer.from_pretrained(src, **extra)
     model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -138,10 +142,14 @@ class Target:
             :func:`flashdraft.fast_forward.unsupported_reason`); ``False`` forces the
             transformers path, as does the environment variable ``FLASHDRAFT_FAST=0``.
         pack: lean path only: prepack weights for oneDNN (see
-            :class:`~flashdraft.fast_forward.LeanForward`); None = for bf16 weights only.
-        q4: lean path only: 4-bit projection weights (:func:`flashdraft.quant.read_q4`).
+            :class:`~flashdraft.fast_forward.LeanForward`); None = for bf16 weights on the CPU only.
+        q4: lean path only: 4-bit projection weights (:func:`flashdraft.quant.read_q4`); CPU only.
     Attributes:
         lean: the :class:`~flashdraft.fast_forward.LeanForward`, or None on the transformers path.
+        device: the device of the model's weights; caches, logits and features are made there.
+    Raises:
+        ValueError: ``q4`` on a model whose weights are not on the CPU (the int4 kernels are
+            CPU-only), or on a model the lean path cannot run.
     """
 
     def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None,
@@ -153,6 +161,10 @@ class Target:
         self.backbone = model.get_decoder()  # embeddings + layers + final norm
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
+        self.device = self.embed_tokens.weight.device
+        if q4 and self.device.type != "cpu":
+            raise ValueError(f"--weights q4 runs on CPU-only int4 kernels; use --device cpu, or --weights fp32/bf16 "
+                             f"on {self.device}")
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.hidden_size = int(self.config.hidden_size)
         self.num_layers = int(self.config.num_hidden_layers)
@@ -177,7 +189,7 @@ class Target:
 
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-             weights: str | None = None, fast: bool = True) -> "Target":
+             weights: str | None = None, fast: bool = True, device: torch.device | str = "cpu") -> "Target":
         """Load a target; see :func:`load_hf_model` for accepted paths and errors.
 
         Args:
@@ -188,9 +200,11 @@ class Target:
                 eighth of the bytes). Greedy speculative output equals the greedy baseline
                 *under the same weights*.
             fast: see :class:`Target`.
+            device: where the weights (and so every cache and activation) live; a resolved
+                device (:func:`flashdraft.device.resolve_device`).
         Raises:
-            ValueError: unknown ``weights``; ``q4`` for a model that is not a GGUF file or
-                has no 4-bit tensors.
+            ValueError: unknown ``weights``; ``q4`` for a model that is not a GGUF file, has
+                no 4-bit tensors, or a device other than the CPU.
         """
         if weights is not None:
             if weights not in WEIGHT_DTYPES:
@@ -199,7 +213,10 @@ class Target:
         file = default_model_path() if path is None else Path(path)
         if weights == "q4" and file.suffix != ".gguf":
             raise ValueError(f"--weights q4 runs a GGUF file's 4-bit tensors; {path} is not a .gguf file")
-        model, tokenizer = load_hf_model(path, dtype)
+        if weights == "q4" and torch.device(device).type != "cpu":
+            raise ValueError(f"--weights q4 runs on CPU-only int4 kernels; use --device cpu, or --weights fp32/bf16 "
+                             f"on {device}")
+        model, tokenizer = load_hf_model(path, dtype, device)
         q4 = None
         if weights == "q4":
             from flashdraft.quant import read_q4
@@ -339,7 +356,8 @@ class Target:
         if isinstance(cache, StaticKVCache):
             return self.lean.forward(token_ids, cache, logits_from, self._feature_layer_ids)
         start = cache.length
-        positions = torch.arange(start, start + token_ids.shape[0]).unsqueeze(0)
+        token_ids = token_ids.to(self.device)  # the only host->device copy of a step: token ids
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device).unsqueeze(0)
         self._capturing = True
         try:
             out = self.backbone(input_ids=token_ids.unsqueeze(0), position_ids=positions,

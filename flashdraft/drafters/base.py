@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.device import HOST
 from flashdraft.sampling import SamplingParams
 
 
@@ -20,9 +21,9 @@ class Draft:
     """Proposed tokens of one step.
 
     Attributes:
-        tokens: ``[n]`` int64 draft tokens (n may be 0).
+        tokens: ``[n]`` int64 draft tokens (n may be 0), on the host (see :mod:`flashdraft.device`).
         probs: ``[n, V]`` drafter distributions the tokens were sampled from, or None when
-            the draft is deterministic (treated as one-hot by verify).
+            the draft is deterministic (treated as one-hot by verify); on the target's device.
     """
 
     tokens: torch.Tensor
@@ -30,7 +31,7 @@ class Draft:
 
     @classmethod
     def empty(cls) -> "Draft":
-        return cls(torch.empty(0, dtype=torch.long))
+        return cls(torch.empty(0, dtype=torch.long, device=HOST))
 
 
 class Drafter:

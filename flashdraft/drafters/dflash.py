@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.device import HOST
 from flashdraft.drafters.base import Draft, Drafter
 from flashdraft.kv_cache import KVCacheSpec, KVStore
 from flashdraft.kv_codecs import make_codec
@@ -53,7 +54,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for ``positions`` (any shape ``[...]``) -> cos, sin ``[..., head_dim]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.float()[..., None] * inv_freq  # [..., hd/2]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
@@ -258,7 +259,7 @@ def seed_block(block: torch.Tensor, candidate: list[int]) -> torch.Tensor:
     """
     m = min(len(candidate), block.shape[0] - 1)
     if m:
-        block[1:1 + m] = torch.tensor(candidate[:m], dtype=block.dtype)
+        block[1:1 + m] = torch.tensor(candidate[:m], dtype=block.dtype, device=block.device)
     return block
 
 
@@ -321,17 +322,22 @@ class ContextKVCache:
     """
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int = 1024,
-                 dtype: torch.dtype = torch.float32, kv: KVCacheSpec | None = None):
+                 dtype: torch.dtype = torch.float32, kv: KVCacheSpec | None = None,
+                 device: torch.device | str = "cpu"):
         self.length = 0
         self.dtype = dtype
         self.stores = None
+        device = torch.device(device)
         if kv is not None and not kv.plain:
+            if device.type != "cpu":
+                raise ValueError(f"compressed drafter cache types ({kv.label()}) run on the CPU only; use "
+                                 f"-ctkd/-ctvd f32 on {device}, or --device cpu")
             args = (n_layers, n_kv, capacity, dtype, kv.sink_tokens, kv.tail_tokens)
             self.stores = (KVStore(make_codec(kv.type_k, head_dim, dtype), *args),
                            KVStore(make_codec(kv.type_v, head_dim, dtype), *args))
             return
-        self.k = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(n_kv, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
 
     def _grow(self, need: int) -> None:
         cap = self.k[0].shape[1]
@@ -391,8 +397,12 @@ class DFlashDrafter(Drafter):
         cross_ctx: attend to at most this many most recent context positions
             (``--spec-dflash-cross-ctx``; None = all).
         kv: the context cache's K/V types (``--cache-type-k-draft`` / ``-v-draft``); None = plain.
+    The drafter runs on the device of ``model``'s weights, which must be the target's
+    (context features, the shared embedding and LM head are there).
+
     Raises:
-        ValueError: drafter and target hidden sizes differ.
+        ValueError: drafter and target hidden sizes differ, or drafter and target weights
+            are on different devices.
     """
 
     name = "dflash"
@@ -402,6 +412,10 @@ class DFlashDrafter(Drafter):
         if embed_tokens.weight.shape[1] != model.config["hidden_size"]:
             raise ValueError(f"drafter hidden size {model.config['hidden_size']} != target's "
                              f"{embed_tokens.weight.shape[1]}: this drafter was made for another model")
+        self.device = model.fc.weight.device
+        if embed_tokens.weight.device != self.device:
+            raise ValueError(f"drafter weights on {self.device}, target's on {embed_tokens.weight.device}: "
+                             "move the drafter to the target's device")
         self.model = model.eval().requires_grad_(False)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
         # a reduced draft vocabulary projects onto its rows of the LM head only
@@ -417,7 +431,7 @@ class DFlashDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype, kv=self.kv)
+        self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype, kv=self.kv, device=self.device)
 
     def rewind(self, n_context: int) -> int:
         # the context cache holds K/V of positions 0..length-1: keeping a prefix is a length move
@@ -434,7 +448,7 @@ class DFlashDrafter(Drafter):
             raise RuntimeError("context features are not contiguous with the drafter cache")
         dtype = self.model.fc.weight.dtype
         fused = self.model.fuse(features.to(dtype)[None])  # [1, m, H]
-        positions = torch.arange(self.cache.length, n_context)[None]
+        positions = torch.arange(self.cache.length, n_context, device=self.device)[None]
         self.cache.append(self.model.context_kv(fused, positions))
 
     @torch.inference_mode()
@@ -445,15 +459,16 @@ class DFlashDrafter(Drafter):
             return Draft.empty()
         anchor_pos = tokens.shape[0] - 1
         # 1. block = [anchor, mask x n], embedded with the target's table
-        block = torch.full((n + 1,), self.model.mask_token_id, dtype=torch.long)
+        # built on the host (prompt lookup seeds it from host ids), then one copy of n+1 ids
+        block = torch.full((n + 1,), self.model.mask_token_id, dtype=torch.long, device=HOST)
         block[0] = tokens[-1]
         if self.model.ngram_seeded:  # start the mask positions from the prompt-lookup continuation
             from flashdraft.drafters.ngram import NgramDrafter
 
             # one anchor: the right-to-left scan stops at the first match (no per-step index build)
             seed_block(block, NgramDrafter().propose(tokens, n, params, generator).tokens.tolist())
-        x = self.embed_tokens(block)[None].to(self.model.fc.weight.dtype)  # [1, n+1, H]
-        positions = torch.arange(anchor_pos, anchor_pos + n + 1)[None]
+        x = self.embed_tokens(block.to(self.device))[None].to(self.model.fc.weight.dtype)  # [1, n+1, H]
+        positions = torch.arange(anchor_pos, anchor_pos + n + 1, device=self.device)[None]
         # 2. one bidirectional forward over [context | block]; block K/V are not kept
         ctx = [self.cache.window(i, self.cross_ctx) for i in range(len(self.model.layers))]
         hidden = self.model(x, positions, ctx)[0, 1:]  # [n, H]
@@ -461,15 +476,16 @@ class DFlashDrafter(Drafter):
         if constraint is not None:
             return self._constrained(logits, params, generator, constraint)
         # 3. draft tokens: argmax at T=0, samples from q (same filters as the target) at T>0
+        #    (the draft ids go to the host: the verify input and the stop rules are built there)
         if params.greedy:
             idx = torch.argmax(logits, dim=-1)
-            return Draft(idx if self.d2t is None else self.d2t[idx])
+            return Draft((idx if self.d2t is None else self.d2t[idx]).to(HOST))
         q = filtered_probs(logits, params)
         idx = sample(q, generator)
         if self.d2t is None:
-            return Draft(idx, q)
+            return Draft(idx.to(HOST), q)
         full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
-        return Draft(self.d2t[idx], full)
+        return Draft(self.d2t[idx].to(HOST), full)
 
 
     def _constrained(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
@@ -481,7 +497,7 @@ class DFlashDrafter(Drafter):
         tokens, rows, pushed = [], [], 0
         try:
             for i in range(logits.shape[0]):
-                allowed = constraint.here()
+                allowed = constraint.here().to(logits.device)  # the grammar's mask is made on the host
                 if self.d2t is not None:
                     allowed = allowed[self.d2t]
                 if not allowed.any():
@@ -503,7 +519,7 @@ class DFlashDrafter(Drafter):
                 tokens.append(token)
         finally:
             constraint.rollback(pushed)
-        ids = torch.tensor(tokens, dtype=torch.long)
+        ids = torch.tensor(tokens, dtype=torch.long, device=HOST)
         if params.greedy or not tokens:
             return Draft(ids)
         q = torch.stack(rows[: len(tokens)])
@@ -512,8 +528,10 @@ class DFlashDrafter(Drafter):
         return Draft(ids, q)
 
 
-def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """Load a drafter from a SpecForge directory or a ``dflash-draft``/``dflash`` GGUF.
+def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> DFlashDraftModel:
+    """Load a drafter from a SpecForge directory or a ``dflash-draft``/``dflash`` GGUF,
+    with ``dtype`` weights on ``device``.
 
     Raises:
         FileNotFoundError / ValueError: see ``flashdraft.drafters.dflash_format``.
@@ -528,7 +546,7 @@ def load_dflash_model(path: str | Path, dtype: torch.dtype = torch.float32) -> D
     missing = [m for m in missing if not m.endswith(("q_norm.weight", "k_norm.weight"))]
     if missing or unexpected:
         raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
 def random_dflash_model(target_model, num_layers: int = 1, block_size: int = 16,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from flashdraft.device import HOST
 from flashdraft.drafters.base import Draft, Drafter
 from flashdraft.sampling import SamplingParams, filtered_probs, sample
 
@@ -29,6 +30,7 @@ class DraftModelDrafter(Drafter):
         if n < vocab_size:
             raise ValueError(f"draft model vocabulary ({n}) is smaller than the target's ({vocab_size})")
         self.draft_model = draft_model.eval().requires_grad_(False)
+        self.device = draft_model.get_input_embeddings().weight.device
         self.vocab_size = vocab_size
         self.reset()
 
@@ -54,8 +56,8 @@ class DraftModelDrafter(Drafter):
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
         start = self._cached()
-        pos = torch.arange(start, start + ids.shape[0]).unsqueeze(0)
-        out = self.draft_model(input_ids=ids.unsqueeze(0), position_ids=pos,
+        pos = torch.arange(start, start + ids.shape[0], device=self.device).unsqueeze(0)
+        out = self.draft_model(input_ids=ids.to(self.device).unsqueeze(0), position_ids=pos,
                                past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1, : self.vocab_size].float()  # [V]
 
@@ -76,5 +78,5 @@ class DraftModelDrafter(Drafter):
                 probs.append(q[0])
             out.append(tok)
             if k + 1 < n:
-                logits = self._step(torch.tensor([tok]))
-        return Draft(torch.tensor(out, dtype=torch.long), torch.stack(probs) if probs else None)
+                logits = self._step(torch.tensor([tok], device=HOST))
+        return Draft(torch.tensor(out, dtype=torch.long, device=HOST), torch.stack(probs) if probs else None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.device import HOST
 from flashdraft.drafters.base import Draft, Drafter
 from flashdraft.sampling import SamplingParams
 
@@ -38,7 +39,7 @@ class NgramDrafter(Drafter):
                 if seq[start:start + size] == suffix:
                     follow = seq[start + size:start + size + n]
                     if follow:
-                        return Draft(torch.tensor(follow, dtype=torch.long))
+                        return Draft(torch.tensor(follow, dtype=torch.long, device=HOST))
                     break
         return Draft.empty()
 
