@@ -8,6 +8,8 @@ import json
 import logging
 import sys
 
+from flashdraft.device import add_device_argument
+
 #: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
     "serve": ("flashdraft.server.cli", "start the OpenAI/llama-server compatible HTTP server"),
@@ -27,7 +29,7 @@ WEIGHTS_HELP = ("target weights (default: fp32); bf16 halves the bytes a decode 
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Model-selection flags shared by generate/eval/bench (llama-server names)."""
+    """Model-selection flags shared by generate/eval/bench (llama-server names), ``--device`` included."""
     p.add_argument("-m", "--model", default=None,
                    help="target model: .gguf file, HF directory or hub id (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("-md", "--spec-draft-model", default=None,
@@ -44,6 +46,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch")
+    add_device_argument(p)
     add_cache_arguments(p)
 
 
@@ -80,6 +83,7 @@ def engine_config(args):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights,
+                        device=getattr(args, "device", "auto"),
                         **(cache_fields(args) if hasattr(args, "cache_type_k") else {}))
 
 

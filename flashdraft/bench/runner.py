@@ -285,7 +285,9 @@ def run(args, target=None) -> int:
 
         transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the progress bar
         if target is None:
-            target = Target.load(args.model, weights=args.weights)
+            from flashdraft.device import device_from_args
+
+            target = Target.load(args.model, weights=args.weights, device=device_from_args(args))
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
     contenders = warm_up(contenders, prompts[0], args.warmup_tokens)

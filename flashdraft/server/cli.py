@@ -28,6 +28,7 @@ REASONING = ("on", "off", "auto")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``flashdraft serve``'s flags (llama-server names) to ``parser``."""
     from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP
+    from flashdraft.device import add_device_argument
     from flashdraft.engine import SPEC_TYPES
 
     m = parser.add_argument_group("model and drafter")
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
     m.add_argument("-t", "--threads", type=_positive_int, default=None, help="torch CPU threads")
+    add_device_argument(m)
 
     add_cache_arguments(parser.add_argument_group("KV cache"))
 
@@ -202,7 +204,8 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=max(1, args.ctx_size // args.parallel), cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller, weights=args.weights, **cache_fields(args))
+                        controller=args.spec_dm_controller, weights=args.weights, device=args.device,
+                        **cache_fields(args))
 
 
 def run(args: argparse.Namespace) -> int:

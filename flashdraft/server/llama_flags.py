@@ -90,7 +90,6 @@ IGNORED = """
 --spec-ngram-min-hits : v
 --lookup-cache-static -lcs : v
 --lookup-cache-dynamic -lcd : v
---device -dev : v
 --list-devices : b
 --split-mode -sm : v
 --tensor-split -ts : v
