@@ -11,6 +11,8 @@ import logging
 import time
 from pathlib import Path
 
+from flashdraft.device import add_device_argument, device_from_args
+
 log = logging.getLogger(__name__)
 
 
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-minutes", type=float, default=20.0, help="held-out τ every N minutes (0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    add_device_argument(p)
 
 
 def _int_list(text: str | None) -> list[int]:
@@ -75,6 +78,7 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = device_from_args(args)  # an absent --device fails here, before any work
     out = Path(args.out)
     data = args.data or str(out / "data")
     start = time.time()
@@ -83,8 +87,8 @@ def run(args) -> int:
         from flashdraft.train.regen import regenerate_packed
 
         regenerate_packed(data.split(",")[0], training_prompts()[: args.prompts], model=args.target,
-                          max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
-    target = Target.load(args.target)
+                          max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, device=device)
+    target = Target.load(args.target, device=device)
     if args.build_features:
         from flashdraft.train.features import build_features
         from flashdraft.train.regen import default_stored_layers
@@ -102,7 +106,7 @@ def run(args) -> int:
                       feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight,
                       init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
                       heldout_root=args.heldout_root, init_from=args.init_from,
-                      ngram_seeded=args.ngram_seeded)
+                      ngram_seeded=args.ngram_seeded, device=str(target.device))
     result = Trainer(cfg, target=target).train()
     print(json.dumps(result))
     print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve -md {out / 'drafter'}")

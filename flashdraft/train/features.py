@@ -45,7 +45,7 @@ def top_logprobs(logits: torch.Tensor, k: int = TOPK) -> tuple[np.ndarray, np.nd
     """``logits [T, V]`` -> top-k ``(ids [T, k] int32, log-probs [T, k] float16)`` at T=1."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     vals, ids = logp.topk(k, dim=-1)
-    return ids.to(torch.int32).numpy(), vals.to(torch.float16).numpy()
+    return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
 
 
 class FeatureWriter:

@@ -4,6 +4,11 @@ Data: shards written by ``flashdraft.train.data`` (prompt ids + target-regenerat
 response ids). Shards are re-read at every epoch, so training can run while
 regeneration is still adding data. Target features are computed once per sequence and
 kept (fp16) in memory, so later epochs cost only the drafter.
+
+Device (``--device``): the drafter, the target, features, labels and the loss live on the
+target's device; bf16 autocast runs for that device type. Token ids are read and anchors
+drawn on the host (one small copy per sequence), so the data order does not depend on the
+device.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from flashdraft.device import autocast_device_type, resolve_device
 from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_target_layer_ids,
                                         drafter_config_for_target, init_from_target)
 from flashdraft.generate import SpeculativeGenerator, generate_text
@@ -54,8 +60,11 @@ class TrainConfig:
     draft_vocab: int = 8192
     mask_token_id: int | None = None
     seed: int = 0
-    #: bf16 autocast: True, False, or None = when it is faster on this CPU (:func:`bf16_pays`)
+    #: bf16 autocast: True, False, or None = when it pays on this device (:func:`bf16_default`)
     bf16: bool | None = None
+    #: where the target is loaded when the Trainer loads it (``--device``); a given target's
+    #: own device wins
+    device: str = "auto"
     checkpoint_minutes: float = 5.0
     eval_minutes: float = 20.0
     eval_prompts: int = 4
@@ -143,6 +152,17 @@ def bf16_pays(rows: int = 1024, inner: int = 576, cols: int = 4096) -> bool:
     return best(torch.bfloat16) < best(torch.float32)
 
 
+def bf16_default(device: torch.device) -> bool:
+    """Whether bf16 autocast is on by default on ``device``: on CUDA when the GPU supports
+    bf16 (tensor cores run it several times faster than float32), measured on the CPU
+    (:func:`bf16_pays`), off on MPS (its bf16 autocast is recent and unmeasured here)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bf16_pays()
+    return False
+
+
 class Trainer:
     """Owns target, drafter, optimiser and checkpoints; see :meth:`train`."""
 
@@ -151,8 +171,9 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.target = target or Target.load(cfg.target)
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.target = target or Target.load(cfg.target, device=resolve_device(cfg.device))
+        self.device = self.target.device
+        self.gen = torch.Generator().manual_seed(cfg.seed)  # host: anchors do not depend on the device
         self.features: dict[str, torch.Tensor] = {}
         self.feature_bytes = 0
         self.data_dirs = [Path(d) for d in str(cfg.data_dir).split(",") if d]
@@ -163,7 +184,7 @@ class Trainer:
         self.best_tau = None
         ckpt = self.out / "checkpoint.pt"
         state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-        self.drafter = self._build_drafter(state)
+        self.drafter = self._build_drafter(state).to(self.device)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step, self.tokens_seen, self.epoch, self.order_pos = 0, 0, 0, 0
@@ -184,8 +205,8 @@ class Trainer:
         self.head_weight = head if d2t is None else head[d2t].contiguous()
         self.t2d = None
         if d2t is not None:
-            self.t2d = torch.full((head.shape[0],), -1, dtype=torch.long)
-            self.t2d[d2t] = torch.arange(d2t.shape[0])
+            self.t2d = torch.full((head.shape[0],), -1, dtype=torch.long, device=self.device)
+            self.t2d[d2t] = torch.arange(d2t.shape[0], device=self.device)
 
     def _build_drafter(self, state) -> DFlashDraftModel:
         cfg, t = self.cfg, self.target
@@ -244,17 +265,21 @@ class Trainer:
         return stores
 
     def _sequence(self, seq_id: str, ids: torch.Tensor, d: int):
-        """``(features [T', k*H] float32, soft labels or None)`` of one training sequence."""
+        """``(features [T', k*H] float32, soft labels or None)`` of one training sequence, on
+        the training device."""
         entry = self.stores[d]
         if entry is not None and seq_id in entry[0]:
             rows = entry[0].get(seq_id)
-            feats = torch.from_numpy(np.ascontiguousarray(rows.features[:, entry[1]])).float()
-            soft = (torch.from_numpy(np.array(rows.topk_ids)), torch.from_numpy(np.array(rows.topk_logp)))
+            # stored features are read on the host (memory-mapped), copied once per step
+            feats = torch.from_numpy(np.ascontiguousarray(rows.features[:, entry[1]])).to(self.device).float()
+            soft = (torch.from_numpy(np.array(rows.topk_ids)).to(self.device),
+                    torch.from_numpy(np.array(rows.topk_logp)).to(self.device))
             return feats, soft
         return self._features(seq_id, ids), None
 
     def _features(self, seq_id: str, ids: torch.Tensor) -> torch.Tensor:
-        """Target context features ``[T, k*H]`` of a sequence (cached as fp16)."""
+        """Target context features ``[T, k*H]`` of a sequence, computed and cached (fp16) on
+        the target's device."""
         f = self.features.get(seq_id)
         if f is None:
             _, f = self.target.forward(ids, self.target.new_cache(), logits_from=ids.shape[0] - 1)
@@ -338,8 +363,8 @@ class Trainer:
         """Run until ``steps`` or ``max_hours``; checkpoints every few minutes and on SIGTERM."""
         cfg = self.cfg
         if cfg.bf16 is None:
-            cfg.bf16 = bf16_pays()
-            log.info("bf16 autocast %s (measured against float32 on this CPU)", "on" if cfg.bf16 else "off")
+            cfg.bf16 = bf16_default(self.device)
+            log.info("bf16 autocast %s on %s (default for this device)", "on" if cfg.bf16 else "off", self.device)
         self.drafter.train().requires_grad_(True)
         gamma = default_gamma(cfg.block_size)
         deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
@@ -371,7 +396,7 @@ class Trainer:
                     anchors = sample_anchors(n_prompt, min(ids.shape[0], feats.shape[0] + 1),
                                              cfg.blocks_per_step, self.gen)
                     if anchors.numel():
-                        batch.append((ids, anchors, feats, soft))
+                        batch.append((ids.to(self.device), anchors.to(self.device), feats, soft))
                 for group in self.opt.param_groups:
                     group["lr"] = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac)
                 # 2. the blocks' loss, averaged over the step's sequences
@@ -380,16 +405,17 @@ class Trainer:
                 c = n = 0
                 total = 0.0
                 for ids, anchors, feats, soft in batch:
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    with torch.autocast(autocast_device_type(self.device), dtype=torch.bfloat16, enabled=cfg.bf16):
                         loss, c_i, n_i = dflash_loss(self.drafter, feats, ids, anchors, self.embed_weight,
                                                      self.head_weight, self.t2d, gamma, soft, cfg.soft_weight)
                     (loss / len(batch)).backward()
-                    total, c, n = total + float(loss.detach()) / len(batch), c + c_i, n + n_i
+                    # the counters go to the host (a few floats; float(loss) syncs anyway)
+                    total, c, n = total + float(loss.detach()) / len(batch), c + c_i.cpu(), n + n_i.cpu()
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
                 self.opt.step()
                 self.cpu_seconds += time.process_time() - cpu0
                 loss = torch.tensor(total)
-                anchors = torch.cat([a for _, a, _, _ in batch])
+                anchors = torch.cat([a.cpu() for _, a, _, _ in batch])
                 self.step += 1
                 rows = anchors.numel() * B
                 self.tokens_seen += rows

@@ -24,9 +24,9 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 0.45 * block_size))
 
 
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """``[B-1]`` weights ``w_k = exp(-(k-1)/gamma)`` for block positions k = 1..B-1."""
-    k = torch.arange(1, block_size, dtype=torch.float32)
+def loss_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[B-1]`` weights ``w_k = exp(-(k-1)/gamma)`` for block positions k = 1..B-1, on ``device``."""
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
 
 
@@ -51,7 +51,7 @@ def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
 
     Args:
         ids: ``[T]`` token ids of prompt + response.
-        anchors: ``[K]`` anchor positions (increasing).
+        anchors: ``[K]`` anchor positions (increasing), on ``ids``' device.
         ngram_seeded: fill each block's mask positions with the prompt-lookup continuation
             of its anchor from the sequence's own prefix (tokens up to the anchor only), as
             an n-gram-seeded drafter sees at inference.
@@ -60,7 +60,7 @@ def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
         block's anchor position and past the end of the sequence.
     """
     B, T = block_size, ids.shape[0]
-    positions = (anchors[:, None] + torch.arange(B)[None]).reshape(-1)  # [K*B]
+    positions = (anchors[:, None] + torch.arange(B, device=ids.device)[None]).reshape(-1)  # [K*B]
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[::B] = ids[anchors]
     if ngram_seeded:
@@ -79,9 +79,9 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -
 
     Query rows of block j see context columns ``p < a_j`` and the B columns of block j.
     """
-    K, B = anchors.shape[0], block_size
-    block_of_row = torch.arange(K * B) // B  # [K*B]
-    ctx = torch.arange(ctx_len)[None, :] < anchors[block_of_row][:, None]  # [K*B, T]
+    K, B, dev = anchors.shape[0], block_size, anchors.device
+    block_of_row = torch.arange(K * B, device=dev) // B  # [K*B]
+    ctx = torch.arange(ctx_len, device=dev)[None, :] < anchors[block_of_row][:, None]  # [K*B, T]
     own = block_of_row[:, None] == block_of_row[None, :]  # [K*B, K*B]
     return torch.cat([ctx, own], dim=1)
 
@@ -112,7 +112,8 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
         how many labels the drafter's argmax got right out of how many there were.
 
     All K blocks go through one :meth:`DFlashDraftModel.forward_blocks` (each sees only the
-    context before its anchor and itself).
+    context before its anchor and itself). Every tensor argument must be on the drafter's
+    device; the results are made there too.
     """
     B = drafter.block_size
     K = anchors.shape[0]
@@ -120,7 +121,8 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
     T = features.shape[0]
     # 1. context K/V from fused features at their own positions (once for all blocks)
     fused = drafter.fuse(features[None])  # [1, T', H]
-    ctx_kv = drafter.context_kv(fused, torch.arange(T)[None])
+    dev = features.device
+    ctx_kv = drafter.context_kv(fused, torch.arange(T, device=dev)[None])
     # 2. every block in one forward
     x = F.embedding(block_ids, embed_weight).view(K, B, -1)
     hidden = drafter.forward_blocks(x, anchors, ctx_kv).reshape(K * B, -1)  # [K*B, H]
@@ -129,9 +131,9 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
     target = labels if t2d is None else torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
     target = torch.where(target < 0, torch.full_like(target, IGNORE), target)
     logp = torch.log_softmax(logits.float(), dim=-1)
-    k = torch.arange(block_ids.shape[0]) % B  # block position of every row
+    k = torch.arange(block_ids.shape[0], device=dev) % B  # block position of every row
     valid_row = (labels != IGNORE)
-    loss_rows = torch.zeros(K * B)
+    loss_rows = torch.zeros(K * B, device=dev)
     if soft_weight < 1.0:
         ce = F.nll_loss(logp, target, ignore_index=IGNORE, reduction="none")  # [K*B]
         loss_rows = loss_rows + (1.0 - soft_weight) * ce
@@ -145,14 +147,14 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
         soft_ce = -(p * logp.gather(1, d_ids.clamp(min=0))).sum(-1)  # [K*B]
         loss_rows = loss_rows + soft_weight * soft_ce * valid_row
-    w = torch.cat([torch.zeros(1), loss_weights(B, gamma)])[k] * valid_row
+    w = torch.cat([torch.zeros(1, device=dev), loss_weights(B, gamma, dev)])[k] * valid_row
     if soft_weight < 1.0:
         w = w * ((target != IGNORE) | (soft is not None and soft_weight > 0))
     loss = (loss_rows * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
         hit = (logits.argmax(-1) == target) & valid_row
-        correct = torch.zeros(B).index_add_(0, k, hit.float())[1:]
-        counted = torch.zeros(B).index_add_(0, k, valid_row.float())[1:]
+        correct = torch.zeros(B, device=dev).index_add_(0, k, hit.float())[1:]
+        counted = torch.zeros(B, device=dev).index_add_(0, k, valid_row.float())[1:]
     return loss, correct, counted
 
 

@@ -95,7 +95,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
         if nxt is None:
             return
         pid, ids = nxt
-        s = {"id": pid, "response": [], "gen": torch.Generator().manual_seed(prompt_seed(pid, seed)),
+        s = {"id": pid, "response": [], "gen": torch.Generator(lean.device).manual_seed(prompt_seed(pid, seed)),
              "feats": [], "top": []}
         logits, feats = lean.prefill_row(torch.tensor(ids, dtype=torch.long), kv, row, layer_ids)
         slots[row] = s
@@ -103,7 +103,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
 
     def step(row: int, s: dict, logits: torch.Tensor, feats) -> None:
         if feats is not None:
-            s["feats"].append(feats.to(torch.float16))
+            s["feats"].append(feats.to(torch.float16).cpu())  # written to disk from the host
         s["top"].append(top_logprobs(logits))
         tok = choose_token(logits[-1], params, s["gen"])
         s["response"].append(tok)
@@ -137,7 +137,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
 def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None, model: str | None = None,
                       max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 64, top_p: float = 0.95,
                       batch_size: int = 32, weights: str = "fp32", seed: int = 0, shard_size: int = 256,
-                      layer_ids=None, progress: bool = True) -> dict:
+                      layer_ids=None, progress: bool = True, device="cpu") -> dict:
     """Regenerate answers for ``prompts`` into resumable shards (format of :mod:`flashdraft.train.data`).
 
     Prompts already in ``out_dir`` are skipped, so a killed run resumes by rerunning the same
@@ -148,6 +148,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         target: a loaded Target (tests); else loaded from ``model`` (None = packaged default).
         temperature / top_k / top_p: 0 = greedy; otherwise the sampling filters.
         weights: ``fp32`` or ``bf16`` (the answers of bf16 weights are bf16 greedy answers).
+        device: where a target loaded from ``model`` runs (a resolved torch device).
         layer_ids: decoder layers whose outputs are stored as context features beside the
             shards (:mod:`flashdraft.train.features`); None = :func:`default_stored_layers`,
             ``()`` = none.
@@ -207,7 +208,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         _write_json_atomic(manifest_path, m)
         return m
     if target is None:
-        target = Target.load(model, weights=weights)
+        target = Target.load(model, weights=weights, device=device)
     target.set_feature_layers(None)
     params = SamplingParams() if greedy else SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     by_id = {p["id"]: p for p in todo}

@@ -134,13 +134,14 @@ class DFlashProposals:
     def __init__(self, model, embed_weight: torch.Tensor, head_weight: torch.Tensor, d2t: torch.Tensor | None,
                  features: torch.Tensor, ids: torch.Tensor, n_prompt: int, chunk: int = 64):
         self.model, self.embed_weight, self.head_weight, self.d2t = model, embed_weight, head_weight, d2t
-        self.ids, self.n_prompt = ids, n_prompt
+        self.device = dev = model.fc.weight.device  # the drafts are computed there, tabled on the host
+        self.ids, self.n_prompt = ids.to(dev), n_prompt
         dtype = model.fc.weight.dtype
         T = features.shape[0]
-        fused = model.fuse(features.to(dtype)[None])  # [1, T', H]
-        self.ctx = model.context_kv(fused, torch.arange(T)[None])
+        fused = model.fuse(features.to(device=dev, dtype=dtype)[None])  # [1, T', H]
+        self.ctx = model.context_kv(fused, torch.arange(T, device=dev)[None])
         B = model.block_size
-        anchors = torch.arange(n_prompt, min(ids.shape[0], T + 1))  # context < anchor must exist
+        anchors = torch.arange(n_prompt, min(ids.shape[0], T + 1), device=dev)  # context < anchor must exist
         self.candidates = None
         if model.ngram_seeded:  # every anchor's prompt-lookup continuation, from its own prefix
             from flashdraft.drafters.ngram import lookup_candidates
@@ -149,11 +150,11 @@ class DFlashProposals:
         rows = []
         for c in range(0, anchors.shape[0], chunk):
             rows.append(self._draft(anchors[c:c + chunk], B))
-        self.table = torch.cat(rows) if rows else torch.empty(0, B - 1, dtype=torch.long)  # [n_anchors, B-1]
+        self.table = (torch.cat(rows) if rows else torch.empty(0, B - 1, dtype=torch.long)).cpu()  # [n_anchors, B-1]
 
     def _draft(self, anchors: torch.Tensor, length: int) -> torch.Tensor:
         """Greedy drafts ``[K, length-1]`` (target ids) of blocks of ``length`` rows."""
-        block = torch.full((anchors.shape[0], length), self.model.mask_token_id, dtype=torch.long)
+        block = torch.full((anchors.shape[0], length), self.model.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = self.ids[anchors]
         if self.candidates is not None:
             from flashdraft.drafters.dflash import seed_block
@@ -169,7 +170,7 @@ class DFlashProposals:
     def __call__(self, i: int, room: int) -> list[int]:
         if room >= self.table.shape[1]:
             return self.table[i].tolist()
-        return self._draft(torch.tensor([self.n_prompt + i]), room + 1)[0].tolist()
+        return self._draft(torch.tensor([self.n_prompt + i], device=self.device), room + 1)[0].tolist()
 
 
 class DrafterProposals:
@@ -389,6 +390,12 @@ def run_offline(args) -> int:
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
     from flashdraft.target import Target
 
+    # the walk's bookkeeping (answer tables, bigram counts) is host code, not yet audited for
+    # another device: it runs on the CPU, and says so rather than ignoring --device
+    if getattr(args, "device", "auto") not in ("auto", "cpu"):
+        raise ValueError(f"eval --offline runs on the CPU only (got --device {args.device}); "
+                         "the online `flashdraft eval` runs on any device")
+    log.info("eval --offline: walking on the CPU")
     target = Target.load(args.model, weights=args.weights)
     drafter_path = getattr(args, "spec_draft_model", None) or (None if args.model else DEFAULT_DRAFTER_DIR)
     model = load_dflash_model(drafter_path) if drafter_path else None
