@@ -162,7 +162,7 @@ def test_prompt_forms_batches_mixed_and_objects():
         assert oai["usage"]["completion_tokens"] == sum(c["timings"]["predicted_n"] for c in oai["choices"])
         for bad, words in (({"prompt_string": 1}, "prompt_string"),
                            ({"prompt_string": "x", "multimodal_data": ["aGk="]}, "multimodal"),
-                           (["t1"] * 65, "at most 64"), ([], "non-empty"), ([["t1", 2.5]], "prompt[0]")):
+                           (["t1"] * 65, "--max-batch-prompts"), ([], "non-empty"), ([["t1", 2.5]], "prompt[0]")):
             r = completion(bad)
             assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
         r = completion(["t5", "t6"], stream=True)

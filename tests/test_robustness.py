@@ -32,6 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inproc import PROMPT, metric_values, new_generator, serve, wait_for
 
+from flashdraft.server.limits import Limits
+
 ROOT = Path(__file__).resolve().parents[1]
 BODY_LIMIT = 64 * 1024
 CTX = 256
@@ -50,7 +52,7 @@ def one_thread():
 def fast():
     """No pause between steps: bad input and fuzzing."""
     generator = new_generator(ctx_size=CTX)
-    with serve(generator, metrics=True, max_body_bytes=BODY_LIMIT) as url:
+    with serve(generator, metrics=True, limits=Limits(body_bytes=BODY_LIMIT)) as url:
         yield url, reference(url)
 
 
@@ -278,7 +280,7 @@ def check_answer(path: str, body: bytes, r: httpx.Response) -> None:
 @pytest.fixture(scope="module")
 def fuzz_server():
     """A short context bounds every generation (the tiny model still answers in ms)."""
-    with serve(new_generator(ctx_size=48), metrics=True, max_body_bytes=BODY_LIMIT) as url:
+    with serve(new_generator(ctx_size=48), metrics=True, limits=Limits(body_bytes=BODY_LIMIT)) as url:
         yield url, reference(url)
 
 

@@ -232,7 +232,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request) -> Response:
         """``{"content", "add_special", "with_pieces"}`` -> ``{"tokens": [...]}``."""
         state.require_ready()
-        req = parse_request(await completions.read_body(request, settings.max_body_bytes), TokenizeRequest)
+        req = parse_request(await completions.read_body(request, settings.limits.body_bytes), TokenizeRequest)
         ids = state.prompts.encode(req.content, add_special=req.add_special)
         if req.with_pieces:  # a piece that is not whole UTF-8 is sent as its bytes, as llama-server does
             return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece_or_bytes(i)} for i in ids]})
@@ -243,7 +243,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         """``{"tokens": [...]}`` -> ``{"content": str}`` (special tokens kept, so
         ``/tokenize`` then ``/detokenize`` gives the text back)."""
         state.require_ready()
-        req = parse_request(await completions.read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        req = parse_request(await completions.read_body(request, settings.limits.body_bytes), DetokenizeRequest)
         ids = state.prompts.check_ids(req.tokens)
         return JSONResponse({"content": state.prompts.decode(ids, skip_special=False)})
 

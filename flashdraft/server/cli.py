@@ -18,7 +18,7 @@ import os
 import sys
 
 from flashdraft.cli import add_cache_arguments
-from flashdraft.server import llama_flags
+from flashdraft.server import limits, llama_flags
 
 log = logging.getLogger("flashdraft.server")
 
@@ -116,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--log-file", default=None, metavar="FILE", help="also write the log to FILE")
     h.add_argument("--ignore-eos", action="store_true", help="requests keep generating past EOS by default")
 
+    limits.add_arguments(parser.add_argument_group("limits (over one: a 4xx naming the flag; 503 queue_full for the queue)"))
+
     llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility"))
 
 
@@ -184,6 +186,7 @@ def settings_from_args(args: argparse.Namespace):
         slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
         chat_template_kwargs=kwargs,
+        limits=limits.from_args(args),
         cors=CorsSettings(_csv(args.cors_origins), _csv(args.cors_methods), _csv(args.cors_headers),
                           args.cors_credentials),
     )

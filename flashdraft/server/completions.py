@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from flashdraft.generate import Cancelled, ContextOverflowError, Step
 from flashdraft.server import responses as R
 from flashdraft.server.errors import APIError, bad_request, internal_error
+from flashdraft.server.limits import check_request, over
 from flashdraft.server.request_fields import check_extra_fields
 from flashdraft.server.tools import active_tools, parse_calls, tool_grammar, tool_prompt
 from flashdraft.server.scheduler import JobFailed, ServerShuttingDown, Ticket
@@ -35,15 +36,16 @@ CLIENT_CLOSED = 499
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (413) without reading it all."""
+    """The request body, refusing more than ``limit`` bytes (413, naming ``--max-body-bytes``)
+    without reading it all."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
+        raise over("body_bytes", limit, int(declared), None, status=413)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes")
+            raise over("body_bytes", limit, size, None, status=413)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -324,9 +326,10 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     async def body_of(request: Request, model):
         state.require_ready()
-        req = parse_request(await read_body(request, state.settings.max_body_bytes), model)
+        req = parse_request(await read_body(request, state.settings.limits.body_bytes), model)
         meta_model = state.check_model(req.model)
         check_extra_fields(req.model_extra)
+        check_request(req, state.settings.limits)
         return req, meta_model
 
     @app.post("/v1/chat/completions")
@@ -363,7 +366,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         lps = logprobs_of(jobs[0], req.logprob_count())
         if req.stream:
             return await stream(request, "completions", state.submit(jobs[0]), CompletionStream(meta, lps))
-        results = await run_all(request, [state.submit(job) for job in jobs])
+        results = await run_all(request, state.submit_all(jobs))
         if len(results) == 1:
             return JSONResponse(R.completion_response(meta, results[0], timings_of(results[0]), lps))
         return JSONResponse(R.completion_batch_response(meta, results, [timings_of(c) for c in results], lps))
@@ -387,7 +390,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         lps = logprobs_of(job, req.n_probs)
         if req.stream:
             return await stream(request, "completion", state.submit(job), LlamaStream(final, req.return_tokens, lps))
-        results = await run_all(request, [state.submit(j) for j in jobs])
+        results = await run_all(request, state.submit_all(jobs))
         if len(results) == 1:
             return JSONResponse(final(results[0], timings_of(results[0])))
         # several prompts: one result object each, in order (llama-server's array)

@@ -19,21 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from flashdraft.server.errors import APIError, bad_request
 
-#: more stop strings than this is almost certainly a client bug (OpenAI allows 4)
-MAX_STOP_STRINGS = 16
-#: longest stop string (characters): the stop check compares every stop string's prefixes
-#: with the text's tail after each token, so unbounded ones would make each token slow
-MAX_STOP_LENGTH = 512
 #: seeds are passed to ``torch.Generator.manual_seed`` (unsigned 64-bit)
 MAX_SEED = 2**64 - 1
-#: most prompts in one batched request (each becomes a job of its own)
-MAX_BATCH_PROMPTS = 64
-#: most alternatives per token in ``n_probs`` / ``top_logprobs`` (OpenAI's limit)
-MAX_N_PROBS = 20
-#: most ``logit_bias`` entries (each is one column write per step)
-MAX_LOGIT_BIAS = 1024
-#: longest grammar or JSON schema (characters of its text): compiled per request
-MAX_GRAMMAR_CHARS = 64 * 1024
+# counts and sizes (stop strings, batch prompts, n_probs, grammar size...) are the server's
+# limits, checked after parsing against its --max-* flags (:mod:`.limits`)
 
 #: one prompt, normalised: text, or token ids mixed with text pieces
 OnePrompt = str | list[int | str]
@@ -70,20 +59,6 @@ class SamplingFields(_Strict):
     #: OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``
     response_format: dict | None = None
 
-    @field_validator("grammar")
-    @classmethod
-    def _grammar_size(cls, v):
-        if v is not None and len(v) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"grammar may have at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}")
-        return v
-
-    @field_validator("json_schema")
-    @classmethod
-    def _schema_size(cls, v):
-        if v is not None and len(json.dumps(v)) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"json_schema may have at most {MAX_GRAMMAR_CHARS} characters of JSON")
-        return v
-
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v):
@@ -111,16 +86,6 @@ class SamplingFields(_Strict):
         bias_entries(v)
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
-        for s in [v] if isinstance(v, str) else v or []:
-            if len(s) > MAX_STOP_LENGTH:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, got {len(s)}")
-        return v
-
     def stop_list(self) -> list[str]:
         """``stop`` as a list (a single string becomes a one-item list)."""
         if self.stop is None:
@@ -136,8 +101,8 @@ def split_prompts(v: object) -> list[OnePrompt]:
     as in OpenAI's API).
 
     Raises:
-        ValueError: an empty prompt list, an element of another type, a batch over
-            :data:`MAX_BATCH_PROMPTS`, or an object without ``prompt_string`` / with media.
+        ValueError: an empty prompt list, an element of another type, or an object
+            without ``prompt_string`` / with media.
     """
     if isinstance(v, (str, dict)):
         return [_one_prompt(v, "prompt")]
@@ -145,8 +110,6 @@ def split_prompts(v: object) -> list[OnePrompt]:
         raise ValueError("prompt must be a string, token ids, or a non-empty list of prompts")
     if any(_is_id(x) for x in v):  # ids, maybe mixed with text: one prompt
         return [_one_prompt(v, "prompt")]
-    if len(v) > MAX_BATCH_PROMPTS:
-        raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(v)}")
     return [_one_prompt(x, f"prompt[{i}]") for i, x in enumerate(v)]
 
 
@@ -175,13 +138,11 @@ def bias_entries(v: dict | list | None) -> list[tuple[int | str, float]]:
 
     Raises:
         ValueError: a key that is not a token id, a bias that is not a finite number or
-            ``false``, or more than :data:`MAX_LOGIT_BIAS` entries.
+            ``false``.
     """
     if v is None:
         return []
     pairs = list(v.items()) if isinstance(v, dict) else v
-    if len(pairs) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
     out = []
     for i, pair in enumerate(pairs):
         if isinstance(v, list) and not (isinstance(pair, list) and len(pair) == 2):
@@ -220,8 +181,6 @@ def response_constraint(v: dict | None) -> tuple[str, object] | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        if len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"the schema may have at most {MAX_GRAMMAR_CHARS} characters of JSON")
         return ("json_schema", schema)
     raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
@@ -280,7 +239,7 @@ class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     #: OpenAI function tools (see :mod:`flashdraft.server.tools`)
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -329,7 +288,7 @@ class CompletionRequest(_OpenAIFields, _PromptForms):
     """``POST /v1/completions``: ``prompt`` in any of :func:`split_prompts`' forms."""
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
 
     @field_validator("echo")
@@ -369,7 +328,7 @@ class LlamaCompletionRequest(SamplingFields, _PromptForms):
     #: put the generated token ids in ``tokens`` (llama-server: off by default)
     return_tokens: bool = False
     #: return the top ``n_probs`` tokens' probabilities at each position (0 = none)
-    n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    n_probs: int = Field(0, ge=0)
 
     def logprob_count(self) -> int:
         """Alternatives per token to return; 0 = none."""

@@ -10,6 +10,7 @@ from typing import Callable
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.limits import Limits, over
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.prompting import PromptBuilder
 from flashdraft.server.scheduler import GenerationJob, Scheduler, ServerShuttingDown, Ticket
@@ -51,7 +52,7 @@ class ServerSettings:
         api_key: required Bearer token, or None.
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
         n_parallel: ``-np``: requests decoded together (one packed target forward per step).
-        max_body_bytes: larger request bodies get 413.
+        limits: the ``--max-*`` limits (:class:`~flashdraft.server.limits.Limits`).
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
         cache_prompt: the prompt cache for requests that do not say (``--no-cache-prompt``: off).
@@ -78,7 +79,7 @@ class ServerSettings:
     api_key: str | None = None
     reasoning: str = "auto"
     n_parallel: int = 1
-    max_body_bytes: int = 8 * 1024 * 1024
+    limits: Limits = field(default_factory=Limits)
     webui: bool = True
     slots_endpoint: bool = True
     chat_template: tuple = ("jinja", None)
@@ -172,9 +173,23 @@ class ServerState:
         raise APIError(503, "Loading model", type="unavailable_error", code="model_loading")
 
     def submit(self, job: GenerationJob) -> Ticket:
-        """Queue ``job`` on the worker. Raises APIError 503 once shutdown has begun."""
+        """Queue ``job`` on the worker. Raises APIError 503 once shutdown has begun, or when
+        ``--max-queue`` requests already wait (code ``queue_full``)."""
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: list[GenerationJob]) -> list[Ticket]:
+        """Queue every job of a request, or none: ``--max-queue`` caps the jobs that would
+        wait for a slot (those queued plus these, less the free slots), checked for all of
+        them first (the event loop runs no other handler in between)."""
+        cap, sched = self.settings.limits.queue, self.scheduler
+        waiting = sched.queued + len(jobs) - max(0, sched.n_slots - sched.slots_busy)
+        if cap and waiting > cap:
+            err = over("queue", cap, waiting, None, status=503)
+            err.type, err.code = "unavailable_error", "queue_full"
+            err.message = f"the server is busy: {sched.queued} requests wait for a slot (--max-queue {cap}); retry later"
+            raise err
         try:
-            return self.scheduler.submit(job)
+            return [self.scheduler.submit(job) for job in jobs]
         except ServerShuttingDown as e:
             raise APIError(503, str(e), type="unavailable_error", code="server_shutting_down") from None
 
@@ -250,6 +265,9 @@ class ServerState:
                            extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.ctx_size}) from None
         except ValueError as e:
             raise bad_request(str(e), param=prompt_param) from None
+        cap = self.settings.limits.prompt_tokens
+        if cap and len(prompt_ids) > cap:
+            raise over("prompt_tokens", cap, len(prompt_ids), prompt_param)
         if max_tokens is not None and max_tokens > gen.ctx_size:
             raise bad_request(f"{limit_param}={max_tokens} is larger than the context size ({gen.ctx_size} tokens); "
                               f"use at most {gen.ctx_size - len(prompt_ids)} for this prompt", param=limit_param)

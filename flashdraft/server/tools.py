@@ -22,23 +22,18 @@ import uuid
 
 from flashdraft.server.errors import bad_request
 
-#: most tools per request (each adds its schema to the prompt and the grammar)
-MAX_TOOLS = 64
-
 
 def active_tools(tools: list[dict] | None, tool_choice: object) -> list[dict]:
     """The tools the answer may call: ``[{"name", "description", "parameters"}]``.
 
     Raises:
-        APIError: 400 for a malformed tool, more than :data:`MAX_TOOLS`, or a
-            ``tool_choice`` naming a function that is not among ``tools``.
+        APIError: 400 for a malformed tool, or a ``tool_choice`` naming a function
+            that is not among ``tools`` (too many tools: :mod:`.limits`, before this).
     """
     if not tools or tool_choice == "none":
         if isinstance(tool_choice, dict) or tool_choice == "required":
             raise bad_request("tool_choice asks for a tool call but no tools were given", param="tool_choice")
         return []
-    if len(tools) > MAX_TOOLS:
-        raise bad_request(f"at most {MAX_TOOLS} tools per request, got {len(tools)}", param="tools")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
