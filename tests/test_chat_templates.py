@@ -101,3 +101,48 @@ def test_split_contents_marks_each_message_in_order():
     for name, render in BUILTIN.items():  # every built-in marks all contents
         segs = render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], True)
         assert {t for t, c in segs if c} >= {"U"}, name
+
+
+BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+
+
+@pytest.mark.parametrize("template", [("jinja", None), ("builtin", "chatml")], ids=["jinja", "builtin"])
+def test_trailing_assistant_message_is_a_prefill_the_answer_continues(target, template):
+    builder = PromptBuilder(target, template=template)
+    decode = lambda ids: target.tokenizer.decode(ids)  # noqa: E731
+    base = decode(builder.chat(_msgs(BOOK)))
+    assert base.endswith("What is the best book<|im_end|>\n<|im_start|>assistant\n")
+    prefill = decode(builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "Whill"}])))
+    assert prefill == base + "Whill"  # left open: no <|im_end|>, no new assistant turn
+    explicit = builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "Whill"}]), add_generation_prompt=False,
+                            continue_final_message=True)
+    assert decode(explicit) == prefill
+    no_prefix = decode(builder.chat(_msgs(BOOK), add_generation_prompt=False))
+    assert no_prefix.endswith("What is the best book<|im_end|>\n") and base.startswith(no_prefix)
+    # the prefill is message content: special-token text in it stays text
+    spoof = builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "x<|im_end|>"}]))
+    im_end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert spoof.count(im_end) == builder.chat(_msgs(BOOK)).count(im_end)
+
+
+def test_prefill_flag_conflicts_are_400(target):
+    builder = PromptBuilder(target)
+    with pytest.raises(APIError, match="both add_generation_prompt and continue_final_message"):
+        builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "W"}]), continue_final_message=True)
+    with pytest.raises(APIError, match="last message from the assistant"):
+        builder.chat(_msgs(BOOK), add_generation_prompt=False, continue_final_message=True)
+
+
+def test_builtin_templates_take_bos_from_the_tokenizer_and_command_r_renders_as_llama_server(target):
+    builder = PromptBuilder(target, template=resolve_template("command-r", None, jinja=True))
+    segments = builder.render(_msgs([{"role": "system", "content": "You are a test."},
+                                     {"role": "user", "content": "Hi there"}]))
+    # llama.cpp's tools/server/tests/unit/test_chat_completion.py::test_apply_chat_template
+    assert builder.text(segments) == ("<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|>"
+                                      "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|>"
+                                      "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+    llama3 = PromptBuilder(target, template=("builtin", "llama3"))
+    text = llama3.text(llama3.render(_msgs(BOOK)))
+    # SmolLM2 adds no BOS, so none is written (the old template wrote "<|begin_of_text|>",
+    # which this vocabulary does not have)
+    assert text.startswith("<|start_header_id|>system<|end_header_id|>\n\nBook<|eot_id|>")

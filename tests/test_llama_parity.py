@@ -176,3 +176,47 @@ def test_context_is_split_across_slots():
     args = build_parser().parse_args(["-c", "4096", "-np", "4"])
     assert engine_config_from_args(args).ctx_size == 1024
     assert engine_config_from_args(build_parser().parse_args(["-c", "4096"])).ctx_size == 4096
+
+
+def test_chat_prefill_verbose_choices_apply_template_and_token_count():
+    with serve(new_generator()) as url:
+        def chat(messages, **kw):
+            return httpx.post(url + "/v1/chat/completions", timeout=60,
+                              json={"messages": messages, "max_tokens": 4, "temperature": 0, **kw})
+
+        user = [{"role": "user", "content": "t5 t9"}]
+        # a trailing assistant message is continued: the prompt is the turns before + its text
+        prefill = chat(user + [{"role": "assistant", "content": "t17"}], verbose=True).json()
+        assert prefill["__verbose"]["prompt"] == "t5 t9 t17"
+        plain = httpx.post(url + "/completion", json={"prompt": "t5 t9 t17", "n_predict": 4, "temperature": 0}).json()
+        assert prefill["choices"][0]["message"]["content"] == plain["content"]
+        explicit = chat(user + [{"role": "assistant", "content": "t17"}], add_generation_prompt=False,
+                        continue_final_message=True).json()
+        assert explicit["choices"][0]["message"]["content"] == plain["content"] and "__verbose" not in explicit
+        both = chat(user + [{"role": "assistant", "content": "t17"}], continue_final_message=True)
+        assert both.status_code == 400 and both.json()["error"]["param"] == "add_generation_prompt"
+        # n choices: each decoded on its own; greedy ones agree, usage sums them
+        two = chat(user, n=2).json()
+        assert [c["index"] for c in two["choices"]] == [0, 1]
+        assert two["choices"][0]["message"] == two["choices"][1]["message"]
+        assert two["usage"]["completion_tokens"] == sum(c["timings"]["predicted_n"] for c in two["choices"])
+        seeded = chat(user, n=3, temperature=1.0, seed=7, max_tokens=8).json()
+        again = chat(user, n=3, temperature=1.0, seed=7, max_tokens=8).json()
+        assert [c["message"] for c in seeded["choices"]] == [c["message"] for c in again["choices"]]
+        assert len({c["message"]["content"] for c in seeded["choices"]}) > 1  # seed + k per choice
+        streamed = chat(user, n=2, stream=True)
+        assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "n"
+        assert chat(user, n=17).status_code == 400
+        oai = httpx.post(url + "/v1/completions", json={"prompt": ["t5 t9", "t3"], "n": 2, "max_tokens": 3,
+                                                        "temperature": 0}).json()
+        assert len(oai["choices"]) == 4 and oai["choices"][0]["text"] == oai["choices"][1]["text"]
+        # the template alone, and the prompt's token count
+        applied = httpx.post(url + "/apply-template", json={"messages": user})
+        assert applied.status_code == 200 and applied.json() == {"prompt": "t5 t9 "}
+        count = httpx.post(url + "/v1/chat/completions/input_tokens", json={"messages": user}).json()
+        assert count == {"object": "response.input_tokens", "input_tokens": two["usage"]["prompt_tokens"]}
+        assert httpx.post(url + "/apply-template", json={"messages": []}).status_code == 400
+    with serve(new_generator(), verbose=True) as url:  # -v: every answer carries __verbose
+        body = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5"}],
+                                                              "max_tokens": 2}).json()
+        assert body["__verbose"]["prompt"] == "t5" and body["__verbose"]["tokens_evaluated"] == 1

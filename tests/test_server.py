@@ -407,7 +407,7 @@ BAD_INPUT = [
     ("temperature-nan", "/v1/chat/completions", chat(temperature=float("nan")), 400, "temperature"),
     ("top-p-zero", "/v1/chat/completions", chat(top_p=0), 400, "top_p"),
     ("top-p-above-one", "/v1/chat/completions", chat(top_p=1.5), 400, "top_p"),
-    ("n-two", "/v1/chat/completions", chat(n=2), 400, "n"),
+    ("n-two-streamed", "/v1/chat/completions", chat(n=2, stream=True), 400, "n"),
     ("too-many-stops", "/v1/chat/completions", chat(stop=[str(i) for i in range(40)]), 400, "stop"),
     ("chat-too-long", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": LONG}]}).encode(),
      400, "messages"),

@@ -26,7 +26,7 @@ def _chatml(messages: list[dict], add_generation_prompt: bool) -> Segments:
 
 
 def _llama3(messages: list[dict], add_generation_prompt: bool) -> Segments:
-    out: Segments = [("<|begin_of_text|>", False)]
+    out: Segments = []  # BOS comes from the tokenizer (PromptBuilder.bos_segment), as in llama-server
     for m in messages:
         out += [(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False), (m["content"].strip(), True),
                 ("<|eot_id|>", False)]
@@ -37,7 +37,7 @@ def _llama3(messages: list[dict], add_generation_prompt: bool) -> Segments:
 
 def _gemma(messages: list[dict], add_generation_prompt: bool) -> Segments:
     # no system role: the system text opens the first user turn
-    out: Segments = [("<bos>", False)]
+    out: Segments = []
     system = ""
     for m in messages:
         if m["role"] == "system":
@@ -63,13 +63,24 @@ def _zephyr(messages: list[dict], add_generation_prompt: bool) -> Segments:
     return out
 
 
+def _command_r(messages: list[dict], add_generation_prompt: bool) -> Segments:
+    roles = {"system": "<|SYSTEM_TOKEN|>", "user": "<|USER_TOKEN|>", "assistant": "<|CHATBOT_TOKEN|>"}
+    out: Segments = []
+    for m in messages:
+        out += [(f"<|START_OF_TURN_TOKEN|>{roles.get(m['role'], '<|USER_TOKEN|>')}", False), (m["content"], True),
+                ("<|END_OF_TURN_TOKEN|>", False)]
+    if add_generation_prompt:
+        out.append(("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", False))
+    return out
+
+
 BUILTIN: dict[str, Callable[[list[dict], bool], Segments]] = {
-    "chatml": _chatml, "llama3": _llama3, "gemma": _gemma, "zephyr": _zephyr,
+    "chatml": _chatml, "llama3": _llama3, "gemma": _gemma, "zephyr": _zephyr, "command-r": _command_r,
 }
 
 #: markers that identify a built-in format inside a model's Jinja template (``--no-jinja``)
 _MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma"),
-            ("<|assistant|>", "zephyr"))
+            ("<|assistant|>", "zephyr"), ("<|START_OF_TURN_TOKEN|>", "command-r"))
 
 
 def detect_builtin(jinja_template: str | None) -> str:

@@ -185,7 +185,7 @@ def settings_from_args(args: argparse.Namespace):
         api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel, webui=args.webui,
         slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=kwargs, verbose=args.verbose,
         limits=limits.from_args(args),
         cors=CorsSettings(_csv(args.cors_origins), _csv(args.cors_methods), _csv(args.cors_headers),
                           args.cors_credentials),

@@ -310,8 +310,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         """The response's log-probability writer when the job computes them."""
         return R.Logprobs(state.prompts.piece_and_bytes, n_top) if job.n_probs else None
 
-    def batch_jobs(req, limit: int | None, limit_param: str) -> list:
-        """One validated job per prompt of ``req``; ``stream`` takes a single prompt.
+    def batch_jobs(req, limit: int | None, limit_param: str, choices: int = 1) -> list:
+        """One validated job per prompt of ``req`` and choice (``n``: the choices of a prompt
+        are next to each other, as OpenAI orders them); ``stream`` takes a single prompt.
         Raises APIError 400 (naming ``prompt[i]``) before any job is queued."""
         prompts = req.prompts()
         if req.stream and len(prompts) > 1:
@@ -320,8 +321,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         jobs = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            jobs.append(state.make_job(state.prompts.prompt(prompt, param), limit, req, limit_param=limit_param,
-                                       prompt_param=param))
+            ids = state.prompts.prompt(prompt, param)
+            jobs += [state.make_job(ids, limit, req, limit_param=limit_param, prompt_param=param, choice=k)
+                     for k in range(choices)]
         return jobs
 
     async def body_of(request: Request, model):
@@ -338,22 +340,65 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (``stream`` supported; ``n`` must be 1)."""
         req, model = await body_of(request, ChatCompletionRequest)
+        n_choices = req.choices()
+        tools = active_tools(req.tools, req.tool_choice)
+        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        ids = chat_ids(req, tools, must_call)
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        spec = tool_grammar(tools, must_call, req.parallel_tool_calls) if tools else None
+        jobs = [state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages",
+                               constraint_spec=spec, choice=i) for i in range(n_choices)]
+        meta = R.ResponseMeta.new("chatcmpl", model)
+        lps = logprobs_of(jobs[0], req.top_logprobs or 0)
+        if req.stream:
+            return await stream(request, "chat", state.submit(jobs[0]), ChatStream(meta, lps, tools=bool(tools)))
+        results = await run_all(request, [state.submit(job) for job in jobs])
+        calls = [parse_calls(c.text) if tools else None for c in results]
+        if len(results) == 1:
+            body = R.chat_response(meta, results[0], timings_of(results[0]), lps, calls[0])
+        else:
+            body = R.chat_batch_response(meta, results, [timings_of(c) for c in results], lps, calls)
+        return JSONResponse(with_verbose(body, req, ids, results[0]))
+
+    def chat_ids(req: ChatCompletionRequest, tools: list | None, must_call: bool) -> list[int]:
+        """Prompt ids of a chat request: the tool list (if any) in the system turn, the
+        template's rules for the end of the conversation (prefill, no generation prompt)."""
+        system = tool_prompt(tools, must_call) if tools else None
+        return state.prompts.chat(req.messages, req.chat_template_kwargs, system=system,
+                                  add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message)
+
+    def with_verbose(body: dict, req, ids: list[int], c: R.Completion) -> dict:
+        """``body`` plus llama-server's ``__verbose`` object when the request (``verbose``)
+        or the server (``-v``) asks: the prompt as the model saw it, special tokens
+        included, and the first choice's text."""
+        if req.verbose or state.settings.verbose:
+            body["__verbose"] = {"prompt": state.prompts.decode(ids, skip_special=False), "content": c.text,
+                                 "tokens_evaluated": len(ids), "tokens_predicted": c.timings.predicted_n}
+        return body
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        """llama-server's ``/apply-template``: a chat request's ``messages`` rendered by the
+        chat template, as text (nothing is decoded)."""
+        state.require_ready()
+        req = parse_request(await read_body(request, state.settings.limits.body_bytes), ChatCompletionRequest)
         tools = active_tools(req.tools, req.tool_choice)
         must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
         system = tool_prompt(tools, must_call) if tools else None
-        ids = state.prompts.chat(req.messages, req.chat_template_kwargs, system=system)
-        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        spec = tool_grammar(tools, must_call, req.parallel_tool_calls) if tools else None
-        job = state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages",
-                             constraint_spec=spec)
-        meta = R.ResponseMeta.new("chatcmpl", model)
-        lps = logprobs_of(job, req.top_logprobs or 0)
-        ticket = state.submit(job)
-        if req.stream:
-            return await stream(request, "chat", ticket, ChatStream(meta, lps, tools=bool(tools)))
-        c = await run_to_end(request, ticket)
-        calls = parse_calls(c.text) if tools else None
-        return JSONResponse(R.chat_response(meta, c, timings_of(c), lps, calls))
+        segments = state.prompts.render(req.messages, req.chat_template_kwargs, system=system,
+                                        add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message)
+        return JSONResponse({"prompt": state.prompts.text(segments)})
+
+    @app.post("/v1/chat/completions/input_tokens")
+    @app.post("/chat/completions/input_tokens", include_in_schema=False)
+    async def chat_input_tokens(request: Request) -> Response:
+        """llama-server's token count of a chat request's prompt (``max_tokens`` not needed)."""
+        req, _ = await body_of(request, ChatCompletionRequest)
+        tools = active_tools(req.tools, req.tool_choice)
+        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(chat_ids(req, tools, must_call))})
 
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)
@@ -361,15 +406,17 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request) -> Response:
         """OpenAI text completions: one prompt, or a batch (one choice per prompt)."""
         req, model = await body_of(request, CompletionRequest)
-        jobs = batch_jobs(req, req.max_tokens, "max_tokens")
+        jobs = batch_jobs(req, req.max_tokens, "max_tokens", choices=req.choices())
         meta = R.ResponseMeta.new("cmpl", model)
         lps = logprobs_of(jobs[0], req.logprob_count())
         if req.stream:
             return await stream(request, "completions", state.submit(jobs[0]), CompletionStream(meta, lps))
         results = await run_all(request, state.submit_all(jobs))
         if len(results) == 1:
-            return JSONResponse(R.completion_response(meta, results[0], timings_of(results[0]), lps))
-        return JSONResponse(R.completion_batch_response(meta, results, [timings_of(c) for c in results], lps))
+            body = R.completion_response(meta, results[0], timings_of(results[0]), lps)
+        else:
+            body = R.completion_batch_response(meta, results, [timings_of(c) for c in results], lps)
+        return JSONResponse(with_verbose(body, req, jobs[0].prompt_ids, results[0]))
 
     @app.post("/completion")
     @counted("completion")

@@ -62,40 +62,88 @@ class PromptBuilder:
         return self.jinja if self.builtin is None else self.builtin
 
     def chat(self, messages: list[ChatMessage], template_kwargs: dict | None = None,
-             system: str | None = None) -> list[int]:
-        """Token ids of ``messages`` rendered with the chat template + the assistant prefix.
+             system: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template (see :meth:`render`).
 
         Raises:
-            APIError: 400 when the model has no chat template or the template rejects the
-                conversation (e.g. roles that do not alternate).
+            APIError: 400 as :meth:`render`.
+        """
+        return self.encode_segments(self.render(messages, template_kwargs, system, add_generation_prompt,
+                                                continue_final_message))
+
+    def render(self, messages: list[ChatMessage], template_kwargs: dict | None = None,
+               system: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> chat_templates.Segments:
+        """``messages`` rendered with the chat template, as ``(text, is_content)`` segments.
+
+        llama-server's rules for the end of the conversation: a last message from the
+        assistant is a *prefill* that the answer continues (the turns before it are
+        rendered with the assistant prefix, then its content follows, left open);
+        ``continue_final_message: true`` (vLLM's name) asks for that explicitly and needs
+        ``add_generation_prompt: false``; ``add_generation_prompt: false`` alone renders
+        the conversation without the assistant prefix.
+
+        Raises:
+            APIError: 400 when the model has no chat template, the template rejects the
+                conversation (e.g. roles that do not alternate), or the two flags conflict.
         """
         if not self.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions or /completion "
                               "with a plain prompt", param="messages")
         from flashdraft.server.tools import history_message
 
-        rendered = [history_message(ROLE_ALIASES.get(m.role, m.role), m.text(), m.tool_calls) for m in messages]
+        last_is_prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls
+        if continue_final_message:  # asked for: the flags must agree (llama-server, vLLM)
+            if add_generation_prompt:
+                raise bad_request("cannot set both add_generation_prompt and continue_final_message to true",
+                                  param="add_generation_prompt")
+            if not last_is_prefill:
+                raise bad_request("continue_final_message needs a last message from the assistant",
+                                  param="continue_final_message")
+        prefill = messages[-1].text() if last_is_prefill else None
+        head = messages[:-1] if prefill is not None else messages
+        rendered = [history_message(ROLE_ALIASES.get(m.role, m.role), m.text(), m.tool_calls) for m in head]
         if system:  # server-written instructions (the tool list): first in the system turn
             if rendered and rendered[0]["role"] == "system":
                 rendered[0] = {"role": "system", "content": system + "\n\n" + rendered[0]["content"]}
             else:
                 rendered.insert(0, {"role": "system", "content": system})
-        kwargs = {**self.template_kwargs, **(template_kwargs or {})}
+        # a prefill opens the assistant turn: the turns before it end with the assistant prefix
+        with_prefix = add_generation_prompt or prefill is not None
+        segments = self._render(rendered, {**self.template_kwargs, **(template_kwargs or {})}, with_prefix)
+        if prefill:
+            segments.append((prefill, True))
+        return segments
+
+    def _render(self, rendered: list[dict], kwargs: dict, add_generation_prompt: bool) -> chat_templates.Segments:
         if self.builtin is not None:
-            segments = chat_templates.BUILTIN[self.builtin](rendered, True)
-        else:
-            try:
-                text = self.tokenizer.apply_chat_template(rendered, chat_template=self.jinja, tokenize=False,
-                                                          add_generation_prompt=True, **kwargs)
-            except Exception as e:  # jinja2 TemplateError from raise_exception(...) in the template
-                raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
-            segments, missing = chat_templates.split_contents(text, [m["content"] for m in rendered])
-            for i in missing:  # rewritten by the template: only safe without special-token text
-                if any(tok in rendered[i]["content"] for tok in self.special_tokens):
-                    raise bad_request(f"messages[{i}]: the chat template rewrites this message's content, so the "
-                                      "special-token text in it could not be kept as plain text; remove it",
-                                      param="messages")
-        return self.encode_segments(segments)
+            return self.bos_segment() + chat_templates.BUILTIN[self.builtin](rendered, add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, chat_template=self.jinja, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja2 TemplateError from raise_exception(...) in the template
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+        segments, missing = chat_templates.split_contents(text, [m["content"] for m in rendered])
+        for i in missing:  # rewritten by the template: only safe without special-token text
+            if any(tok in rendered[i]["content"] for tok in self.special_tokens):
+                raise bad_request(f"messages[{i}]: the chat template rewrites this message's content, so the "
+                                  "special-token text in it could not be kept as plain text; remove it",
+                                  param="messages")
+        return segments
+
+    def bos_segment(self) -> chat_templates.Segments:
+        """The BOS markup a built-in template starts with: the tokenizer's own BOS when it
+        adds one to every text (llama-server adds it at tokenisation), else nothing. Jinja
+        templates write their own."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if bos and getattr(self.tokenizer, "add_bos_token", False):
+            return [(bos, False)]
+        return []
+
+    def text(self, segments: chat_templates.Segments) -> str:
+        """The rendered prompt as one string (``/apply-template``)."""
+        return "".join(text for text, _ in segments)
 
     def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
         """Ids of rendered chat segments: markup with special-token parsing, content without."""

@@ -119,6 +119,22 @@ def chat_response(meta: ResponseMeta, c: Completion, timings: dict, logprobs: Lo
     }
 
 
+def chat_batch_response(meta: ResponseMeta, results: list[Completion], timings: list[dict],
+                        logprobs: Logprobs | None = None, tool_calls: list[list[dict] | None] | None = None) -> dict:
+    """Non-streamed ``chat.completion`` with ``n`` choices: one per result (``index`` in
+    order, each with its own ``timings``); usage counts the prompt once, as OpenAI does, and
+    the tokens of every choice."""
+    calls = tool_calls or [None] * len(results)
+    body = chat_response(meta, results[0], timings[0], logprobs, calls[0])
+    body["choices"] = [{**chat_response(meta, c, t, logprobs, k)["choices"][0], "index": i, "timings": t}
+                       for i, (c, t, k) in enumerate(zip(results, timings, calls))]
+    first = results[0].timings
+    total = Timings(prompt_n=first.prompt_n, cache_n=first.cache_n,
+                    predicted_n=sum(c.timings.predicted_n for c in results))
+    body["usage"] = usage(total)
+    return body
+
+
 def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     """One streamed ``chat.completion.chunk``."""
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,

@@ -21,6 +21,8 @@ from flashdraft.server.errors import APIError, bad_request
 
 #: seeds are passed to ``torch.Generator.manual_seed`` (unsigned 64-bit)
 MAX_SEED = 2**64 - 1
+#: most choices (``n``) in one request: each is a job of its own
+MAX_CHOICES = 16
 # counts and sizes (stop strings, batch prompts, n_probs, grammar size...) are the server's
 # limits, checked after parsing against its --max-* flags (:mod:`.limits`)
 
@@ -195,15 +197,23 @@ class _OpenAIFields(SamplingFields):
     """Fields shared by ``/v1/chat/completions`` and ``/v1/completions``."""
 
     max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(None, ge=1)
+    #: choices per request, each decoded as a job of its own (non-streamed only)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
+    #: llama-server: add a ``__verbose`` object (the prompt as text) to a non-streamed answer
+    verbose: bool = False
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        if v is not None and v > 1:
-            raise ValueError(f"only n=1 is supported (one choice per request), got n={v}")
-        return v
+    def choices(self) -> int:
+        """Choices asked for; more than one needs ``stream: false``.
+
+        Raises:
+            APIError: 400 for ``n > 1`` with ``stream: true``.
+        """
+        n = self.n or 1
+        if n > 1 and self.stream:
+            raise bad_request(f"n={n} needs stream: false (one choice per stream); send n requests to stream them",
+                              param="n")
+        return n
 
 
 class TextPart(_Strict):
@@ -246,6 +256,11 @@ class ChatCompletionRequest(_OpenAIFields):
     parallel_tool_calls: bool = True
     #: extra variables for the chat template (e.g. ``enable_thinking``)
     chat_template_kwargs: dict | None = None
+    #: false: render without the assistant prefix (llama-server, vLLM)
+    add_generation_prompt: bool = True
+    #: continue the last (assistant) message; needs ``add_generation_prompt: false`` (vLLM's name
+    #: for llama-server's prefill of a trailing assistant message)
+    continue_final_message: bool = False
 
     @field_validator("messages")
     @classmethod

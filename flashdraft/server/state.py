@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -64,6 +66,8 @@ class ServerSettings:
         shutdown_grace_s: after SIGTERM, how long the running request may go on before it
             is ended with a 503 / an ``error`` event; kept below uvicorn's graceful-shutdown
             timeout (5 s in ``flashdraft serve``) so the clean end wins over a cut connection.
+        verbose: ``-v``: every non-streamed answer carries ``__verbose`` (the prompt as
+            text), as llama-server's debug mode.
     """
 
     alias: str | None = None
@@ -88,6 +92,7 @@ class ServerSettings:
     chat_template_kwargs: dict = field(default_factory=dict)
     cors: CorsSettings = field(default_factory=CorsSettings)
     shutdown_grace_s: float = 3.0
+    verbose: bool = False
 
     def template_kwargs(self) -> dict:
         """Chat-template variables from ``--chat-template-kwargs`` and ``--reasoning``."""
@@ -245,12 +250,14 @@ class ServerState:
 
     def make_job(self, prompt_ids: list[int], max_tokens: int | None, req: SamplingFields,
                  limit_param: str = "max_tokens", prompt_param: str = "prompt",
-                 constraint_spec: tuple[str, object] | None = None) -> GenerationJob:
+                 constraint_spec: tuple[str, object] | None = None, choice: int = 0) -> GenerationJob:
         """Validate a tokenised request against the context and sampling rules.
 
         Args:
             max_tokens: the request's limit (None or -1 = none).
             limit_param / prompt_param: request field names used in error messages.
+            choice: the choice's index (``n``): choice k of a seeded request samples with
+                ``seed + k``, so the choices differ and each is reproducible.
         Raises:
             APIError: 400 for a prompt too long for the context (message with both
                 numbers, code ``context_length_exceeded``), a limit over the context size,
@@ -280,7 +287,10 @@ class ServerState:
         s = self.settings
         n_probs = req.logprob_count() if hasattr(req, "logprob_count") else 0
         constraint = self.constraint(req, constraint_spec)
-        return GenerationJob(prompt_ids, limit, self.sampling(req), req.stop_list(),
+        params = self.sampling(req)
+        if choice and params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
+        return GenerationJob(prompt_ids, limit, params, req.stop_list(),
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
                              cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
                              logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint)
