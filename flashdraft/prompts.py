@@ -7,6 +7,8 @@ Sets (names accepted by :func:`load_prompt_set`):
   never train on them (the training set filters them out, see ``flashdraft.train.data``).
 - ``sharegpt-heldout``: 200 fixed ShareGPT first user turns (about 1/4 code requests)
   kept out of training, for measuring acceptance length on unseen prompts.
+- ``json-schema``: 16 "return this record / extract these fields as JSON" requests, each
+  with its own JSON schema (``schema`` key), for benchmarking constrained decoding.
 - a path to a ``.jsonl`` file with one ``{"prompt": ...}`` object per line.
 
 Every set is a list of dicts with at least ``id`` and ``prompt`` (the text sent to the
@@ -45,10 +47,14 @@ SEED_PROMPTS: list[str] = [
 
 HUMANEVAL_CHAT_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
-PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random")
+PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random", "json-schema")
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELDOUT_IDS_PATH = Path(__file__).resolve().parent / "assets" / "sharegpt_heldout_ids.json"
+JSON_SCHEMA_PROMPTS_PATH = Path(__file__).resolve().parent / "assets" / "json_schema_prompts.jsonl"
+#: how a ``json-schema`` task is sent: the schema is in the prompt too, as users write it
+#: (a grammar alone tells the model nothing about which keys come next)
+JSON_SCHEMA_TEMPLATE = "{task}\n\nAnswer with JSON only, matching this JSON schema:\n{schema}"
 HELDOUT_SIZE = 200
 HELDOUT_CODE_SHARE = 0.25
 HELDOUT_SEED = 20240607
@@ -329,6 +335,31 @@ def random_letters(n: int = 4, length: int = 400, seed: int = 0) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- JSON schema
+
+
+def load_json_schema_prompts() -> list[dict]:
+    """The ``json-schema`` set: records to return as JSON, each under its own schema.
+
+    Returns ``[{"id": "json-schema/<name>", "prompt": str, "task": str, "schema": dict}, ...]``
+    in file order; ``prompt`` is ``JSON_SCHEMA_TEMPLATE`` around the task and the compact
+    schema. Every schema is an object with ``required`` keys, ``additionalProperties:
+    false`` and bounded strings and arrays, so a complete answer fits in 256 tokens.
+    Raises ``FileNotFoundError`` if the asset is missing, ``ValueError`` for a malformed line.
+    """
+    out = []
+    with open(JSON_SCHEMA_PROMPTS_PATH, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if not isinstance(obj.get("task"), str) or not isinstance(obj.get("schema"), dict):
+                raise ValueError(f"{JSON_SCHEMA_PROMPTS_PATH}:{n + 1}: expected a string 'task' and an object 'schema'")
+            prompt = JSON_SCHEMA_TEMPLATE.format(task=obj["task"], schema=json.dumps(obj["schema"]))
+            out.append({"id": obj["id"], "prompt": prompt, "task": obj["task"], "schema": obj["schema"]})
+    return out
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -346,10 +377,11 @@ def _load_jsonl(path: Path) -> list[dict]:
 
 
 def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
-    """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``, ``random``) or path.
+    """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``, ``random``,
+    ``json-schema``) or path.
 
     A path must name an existing ``.jsonl`` file whose lines are ``{"prompt": str, ...}``
-    (optional ``id``). Returns a list of dicts with ``id`` and ``prompt`` (plus set-specific
+    (optional ``id``; an object ``schema`` makes the bench constrain that prompt's answer). Returns a list of dicts with ``id`` and ``prompt`` (plus set-specific
     keys), truncated to the first ``limit`` items when given.
     Raises ``ValueError`` for an unknown name (the message lists the valid names) or a
     malformed ``.jsonl`` line.
@@ -362,6 +394,8 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
         items = sharegpt_heldout()
     elif name == "random":
         items = random_letters()
+    elif name == "json-schema":
+        items = load_json_schema_prompts()
     elif name.endswith(".jsonl") and Path(name).is_file():
         items = _load_jsonl(Path(name))
     else:
