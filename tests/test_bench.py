@@ -27,11 +27,13 @@ LOCAL_CONFIGS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive",
                  "hf", "hf-lookup", "hf-dflash", "hf-draft"]
 RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens",
             "completion_tokens", "ttft_ms", "total_ms", "decode_ms", "decode_tokens", "decode_tokens_per_s",
-            "decode_source", "finish_reason", "spec", "same_as_baseline"}
+            "decode_source", "finish_reason", "spec", "same_as_baseline", "constrained", "schema_violation",
+            "grammar"}
 SUMMARY_KEYS = {"prompt_set", "temperature", "config", "runs", "errors", "prompt_tokens", "completion_tokens",
                 "decode_tokens_per_s", "speedup", "ttft_ms", "decode_source", "acceptance_length", "draft_n",
                 "draft_n_accepted", "acceptance_rate", "per_position_acceptance", "accepted_hist",
-                "same_as_baseline"}
+                "same_as_baseline", "constrained", "schema_violations", "grammar_ms_per_token", "grammar_share",
+                "grammar_ms_per_token_by_role"}
 
 
 def _save(path, seed: int, layers: int):

@@ -58,6 +58,9 @@ class BenchPrompt:
         ids: token ids of the chat-formatted prompt (None in ``--url`` mode, where the
             server applies its own template).
         max_tokens: generation cap for this prompt's set.
+        schema: the JSON schema the answer must satisfy (the ``json-schema`` set, or a
+            ``.jsonl`` line with a ``schema``); None = free text.
+        grammar: ``schema`` compiled for :class:`~flashdraft.constraints.Constraint`.
     """
 
     id: str
@@ -65,17 +68,23 @@ class BenchPrompt:
     text: str
     ids: list[int] | None
     max_tokens: int
+    schema: dict | None = None
+    grammar: str | None = None
 
 
 class Contender:
     """A configuration that can generate for a :class:`BenchPrompt`.
 
-    Subclasses set ``name``, ``kind`` (``ours`` | ``peer`` | ``server``) and ``description``.
+    Subclasses set ``name``, ``kind`` (``ours`` | ``peer`` | ``server``) and ``description``,
+    and ``takes_constraint = True`` when :meth:`run` holds the answer to ``prompt.schema``;
+    the others are skipped on constrained prompts, for the reason in ``constraint_note``.
     """
 
     name = "?"
     kind = "ours"
     description = ""
+    takes_constraint = False
+    constraint_note = "cannot hold its answer to a JSON schema"
 
     def activate(self) -> None:
         """Called before each of this configuration's runs (configurations share one target)."""

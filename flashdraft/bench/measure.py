@@ -80,6 +80,46 @@ def counts_from_timings(t: Timings) -> SpecCounts:
                       drafted_per_position=list(t.drafted_per_position), accepted_hist=hist)
 
 
+#: :class:`~flashdraft.constraints.Constraint` calls by role in the loop: the verify rows'
+#: masks, the drafting side (DFlash masks its own picks, the others' drafts are cut at the
+#: first refused token) and moving the matcher along the returned tokens
+GRAMMAR_ROLES = {"apply": "verify", "here": "draft", "allowed": "draft", "push": "draft", "rollback": "draft",
+                 "valid_prefix": "draft", "unpack": "draft", "advance": "advance"}
+
+
+@dataclass
+class GrammarCost:
+    """Time spent inside one generation's grammar constraint, measured call by call.
+
+    Attributes:
+        ms: milliseconds per :class:`~flashdraft.constraints.Constraint` method (outermost
+            calls only: a method called from another is not counted twice).
+        calls: calls per method.
+        setup_ms: building the matcher for this request (before the clock of the run starts).
+    """
+
+    ms: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    setup_ms: float = 0.0
+
+    def add(self, method: str, seconds: float) -> None:
+        """Count one call of ``method`` that took ``seconds``."""
+        self.ms[method] = self.ms.get(method, 0.0) + 1e3 * seconds
+        self.calls[method] = self.calls.get(method, 0) + 1
+
+    @property
+    def total_ms(self) -> float:
+        """Every timed call, setup excluded (ms)."""
+        return sum(self.ms.values())
+
+    def by_role(self) -> dict[str, float]:
+        """``{"verify", "draft", "advance"}`` -> ms (see :data:`GRAMMAR_ROLES`)."""
+        out = {"verify": 0.0, "draft": 0.0, "advance": 0.0}
+        for method, ms in self.ms.items():
+            out[GRAMMAR_ROLES.get(method, "draft")] += ms
+        return out
+
+
 @dataclass
 class Generation:
     """One timed generation.
@@ -99,6 +139,8 @@ class Generation:
             Default: the wall clock between the first and the last token and the tokens
             after the first one. Servers that report llama-server ``timings`` override it
             with ``predicted_ms`` / ``predicted_n`` (``decode_source`` says which).
+        grammar: time inside the grammar constraint; None when unconstrained or not
+            measurable (a remote server).
     """
 
     text: str
@@ -112,6 +154,7 @@ class Generation:
     decode_ms: float | None = None
     decode_tokens: int | None = None
     decode_source: str = "client"
+    grammar: GrammarCost | None = None
 
     def __post_init__(self) -> None:
         if self.decode_ms is None and self.ttft_ms is not None and self.completion_tokens > 1:

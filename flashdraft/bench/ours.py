@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from flashdraft.bench.constrained import TimedConstraint
 from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
+from flashdraft.constraints import TokenizerInfo
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
@@ -28,6 +30,7 @@ class EngineContender(Contender):
     """One :class:`SpeculativeGenerator`; times each :class:`Step` as it arrives."""
 
     kind = "ours"
+    takes_constraint = True
 
     def __init__(self, name: str, generator: SpeculativeGenerator):
         self.name, self.description = name, describe(name)
@@ -41,8 +44,13 @@ class EngineContender(Contender):
     def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
         g = self.generator
         ids, parts, first, last, finish, timings = [], [], None, None, None, None
+        # the matcher is built before the clock starts, as the server builds it while
+        # validating the request; its own cost is kept apart (GrammarCost.setup_ms)
+        constraint = None
+        if prompt.grammar is not None:
+            constraint = TimedConstraint(TokenizerInfo.for_target(g.target), prompt.grammar)
         t0 = time.perf_counter()
-        for step in g.generate(prompt.ids, prompt.max_tokens, params):
+        for step in g.generate(prompt.ids, prompt.max_tokens, params, constraint=constraint):
             last = time.perf_counter()
             first = first or last  # the first step arrives right after prefill
             ids.extend(step.token_ids)
@@ -51,7 +59,7 @@ class EngineContender(Contender):
         spec = counts_from_timings(timings) if g.drafting and timings is not None else None
         return Generation(text="".join(parts), token_ids=ids, prompt_tokens=len(prompt.ids),
                           completion_tokens=len(ids), ttft_ms=1e3 * (first - t0), total_ms=1e3 * (last - t0),
-                          finish_reason=finish, spec=spec)
+                          finish_reason=finish, spec=spec, grammar=None if constraint is None else constraint.cost)
 
 
 def dflash_drafter_path(model: str | None, drafter: str | None) -> str | None:

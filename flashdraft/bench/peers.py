@@ -86,6 +86,9 @@ class HFContender(Contender):
     """``model.generate()`` on the target's transformers model with fixed extra arguments."""
 
     kind = "peer"
+    # generate() has no grammar argument; a logits processor would have to track the
+    # grammar through assisted generation's rejected candidates, which is not built here
+    constraint_note = "transformers generate() takes no grammar, and no grammar logits processor is wired in"
 
     def __init__(self, name: str, target: Target, extra: dict, speculative: bool, note: str | None = None):
         self.name = name
@@ -175,6 +178,7 @@ class LlamaCppContender(Contender):
     """``llama_cpp.Llama.generate`` over the same prompt token ids (same vocabulary)."""
 
     kind = "peer"
+    constraint_note = "llama-cpp-python's grammar (LlamaGrammar) is not passed by the bench yet"
 
     def __init__(self, name: str, gguf: Path, target: Target, threads: int, ctx_size: int,
                  lookup: bool, n_draft: int, ngram_max: int):

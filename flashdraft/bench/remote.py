@@ -38,6 +38,7 @@ class RemoteServer(Contender):
     """
 
     kind = "server"
+    takes_constraint = True  # as response_format (flashdraft, llama-server, vLLM, SGLang)
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  stream: bool = True, timeout: float = 1800.0):
@@ -73,6 +74,9 @@ class RemoteServer(Contender):
                 "max_tokens": prompt.max_tokens, "temperature": params.temperature, "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if prompt.schema is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": prompt.schema, "strict": True}}
         if not params.greedy:
             # top_k/min_p are llama-server/vLLM extensions; OpenAI-style servers ignore them
             body.update(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)

@@ -10,12 +10,18 @@ JSON schema ``flashdraft.bench/1`` (all times in ms, speeds in tokens/s):
 - ``settings``: what was asked (prompt sets, temperatures, repeats, max tokens, model, ...)
 - ``baseline``: the configuration speedups and equality refer to
 - ``configs``: ``[{name, kind, description, available, reason}]``
-- ``prompts``: ``[{prompt_set, id, prompt_tokens, max_tokens}]``
+- ``prompts``: ``[{prompt_set, id, prompt_tokens, max_tokens, schema}]`` (``schema``: the
+  JSON schema the answer is held to, or None)
 - ``runs``: one per generation: ``config, prompt_set, prompt_id, temperature, repeat,
   prompt_tokens, completion_tokens, ttft_ms, total_ms, decode_ms, decode_tokens,
   decode_tokens_per_s, decode_source, finish_reason, spec{...} | None, same_as_baseline,
-  error``
-- ``summary`` / ``per_prompt``: see :func:`flashdraft.bench.stats.aggregate`
+  error, constrained, schema_violation, grammar``; ``grammar`` (constrained runs of our
+  engine, else None): ``ms``/``calls`` per constraint method, ``setup_ms``, ``total_ms``,
+  ``ms_per_token``, ``by_role`` (``verify``/``draft``/``advance`` ms)
+- ``summary`` / ``per_prompt``: see :func:`flashdraft.bench.stats.aggregate` (constraint
+  numbers: :func:`flashdraft.bench.stats._grammar_summary`)
+- ``skipped``: ``[{config, prompt_sets, reason}]``, configurations that cannot take a
+  constraint and skipped the constrained sets
 - ``outputs``: first repeat's text per (config, prompt set, temperature, prompt)
 """
 
@@ -118,10 +124,19 @@ def git_info(start: Path | None = None) -> dict:
 # ---------------------------------------------------------------- JSON
 
 
+def _grammar_dict(g) -> dict | None:
+    cost = g.grammar
+    if cost is None:
+        return None
+    return {"ms": cost.ms, "calls": cost.calls, "setup_ms": cost.setup_ms, "total_ms": cost.total_ms,
+            "ms_per_token": cost.total_ms / g.completion_tokens if g.completion_tokens else None,
+            "by_role": cost.by_role()}
+
+
 def run_to_dict(r: RunRecord, baseline: RunRecord | None) -> dict:
     g = r.generation
     d = {"config": r.config, "prompt_set": r.prompt_set, "prompt_id": r.prompt_id, "temperature": r.temperature,
-         "repeat": r.repeat, "error": r.error}
+         "repeat": r.repeat, "error": r.error, "constrained": r.constrained, "schema_violation": r.violation}
     if g is None:
         return d
     d.update(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens, ttft_ms=g.ttft_ms,
@@ -129,7 +144,7 @@ def run_to_dict(r: RunRecord, baseline: RunRecord | None) -> dict:
              decode_tokens_per_s=g.decode_tokens_per_s, decode_source=g.decode_source,
              finish_reason=g.finish_reason,
              spec=None if g.spec is None else {**asdict(g.spec), "acceptance_length": g.spec.tau()},
-             same_as_baseline=None)
+             same_as_baseline=None, grammar=_grammar_dict(g))
     if r.temperature == 0 and baseline is not None and baseline.ok and baseline is not r:
         d["same_as_baseline"] = same_output(g, baseline.generation)
     return d
@@ -137,7 +152,7 @@ def run_to_dict(r: RunRecord, baseline: RunRecord | None) -> dict:
 
 def build_document(*, argv: list[str], settings: dict, baseline: str | None,
                    contenders: list[Contender | Unavailable], prompts: list[dict], records: list[RunRecord],
-                   summary: list[dict], per_prompt: list[dict]) -> dict:
+                   summary: list[dict], per_prompt: list[dict], skipped: list[dict] | None = None) -> dict:
     """The ``--json-out`` document (schema in the module docstring)."""
     base = {(r.prompt_set, r.prompt_id, r.temperature, r.repeat): r for r in records if r.config == baseline}
     outputs = [{"config": r.config, "prompt_set": r.prompt_set, "temperature": r.temperature,
@@ -157,6 +172,7 @@ def build_document(*, argv: list[str], settings: dict, baseline: str | None,
         "runs": [run_to_dict(r, base.get((r.prompt_set, r.prompt_id, r.temperature, r.repeat))) for r in records],
         "summary": summary,
         "per_prompt": per_prompt,
+        "skipped": skipped or [],
         "outputs": outputs,
     }
 
@@ -213,6 +229,20 @@ def _row(s: dict, first: str) -> list[str]:
             _positions(s["per_position_acceptance"]), _same(s["same_as_baseline"])]
 
 
+GRAMMAR_HEADER = ("config", "decode tok/s", "speedup", "τ", "mask ms/token", "mask % of time",
+                  "verify / draft / advance ms/token", "schema violations")
+
+
+def _grammar_row(s: dict, first: str) -> list[str]:
+    roles = s["grammar_ms_per_token_by_role"]
+    split = "–" if roles is None else " / ".join(f"{roles[k]:.3f}" for k in ("verify", "draft", "advance"))
+    share = s["grammar_share"]
+    share = None if share is None else {**share, **{k: 100 * share[k] for k in ("median", "min", "max")}}
+    return [first, _spread(s["decode_tokens_per_s"]), _spread(s["speedup"], ".2f"), _num(s["acceptance_length"], ".2f"),
+            _spread(s["grammar_ms_per_token"], ".3f"), _spread(share, ".1f"), split,
+            f"{s['schema_violations']} of {s['runs'] - s['errors']}"]
+
+
 def _table(header, rows) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -220,9 +250,11 @@ def _table(header, rows) -> list[str]:
 
 
 def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Contender | Unavailable],
-             baseline: str | None, repeats: int, show_per_prompt: bool) -> str:
-    """The report printed on stdout: one summary table per (prompt set, temperature),
-    optionally one per-prompt table each, then the configurations that did not run."""
+             baseline: str | None, repeats: int, show_per_prompt: bool, skipped: list[dict] | None = None) -> str:
+    """The report printed on stdout: one summary table per (prompt set, temperature), for
+    a constrained set a second one with the grammar's cost and the schema violations,
+    optionally one per-prompt table each, then the configurations that did not run
+    (``skipped``: those that skipped the constrained sets, see ``build_document``)."""
     out = [f"Decode tok/s: median [min–max] over {repeats} pass(es); speedup vs `{baseline}` paired per pass; "
            "token counts per pass; drafted/accepted per pass.", ""]
     groups: dict[tuple, list[dict]] = {}
@@ -233,6 +265,12 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
         out += _table(SUMMARY_HEADER, [_row(s, s["config"]) for s in rows])
         errors = [f"{s['config']}: {s['errors']} of {s['runs']} runs failed" for s in rows if s["errors"]]
         out += [""] + [f"- {e}" for e in errors] + ([""] if errors else [])
+        held = [s for s in rows if s["constrained"]]
+        if held:
+            out += ["Under the JSON schema: mask = time inside the grammar constraint per generated token "
+                    "(median [min–max] over passes); violations = answers that do not parse or break "
+                    "their schema, all passes.", ""]
+            out += _table(GRAMMAR_HEADER, [_grammar_row(s, s["config"]) for s in held]) + [""]
         if show_per_prompt:
             mine = [p for p in per_prompt if p["prompt_set"] == pset and p["temperature"] == temp]
             header = ("prompt / config",) + SUMMARY_HEADER[1:]
@@ -242,6 +280,9 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
     missing = [c for c in contenders if isinstance(c, Unavailable)]
     if missing:
         out += ["Not run:", ""] + [f"- `{c.name}`: {c.reason}" for c in missing] + [""]
+    if skipped:
+        out += ["Not run on constrained sets:", ""]
+        out += [f"- `{k['config']}` on {', '.join(k['prompt_sets'])}: {k['reason']}" for k in skipped] + [""]
     return "\n".join(out)
 
 

@@ -11,6 +11,10 @@ Method (why each rule is there):
    machine (heat, a background job) then hits all configurations alike.
 4. Greedy runs are compared token by token with the baseline (``none``; in ``--url`` mode
    the first server), which checks losslessness on the way.
+5. A prompt with a JSON schema (the ``json-schema`` set) is answered under that schema by
+   every configuration that can take a constraint, each answer is checked against the
+   schema, and the time inside the grammar is measured per token (:mod:`.constrained`);
+   configurations that cannot take one skip those prompts, saying why.
 
 ``--url`` benchmarks running servers instead of loading anything (see :mod:`.remote`).
 """
@@ -18,6 +22,7 @@ Method (why each rule is there):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -49,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
     p.add_argument("--prompts", default="seed",
-                   help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, a worst case for drafting) or FILE.jsonl (default: seed)")
+                   help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, a worst case "
+                        "for drafting), json-schema (answers held to a JSON schema) or FILE.jsonl (default: seed)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help=f"tokens to generate per prompt "
@@ -119,7 +125,13 @@ def max_tokens_for(prompt_set: str, given: int | None) -> int:
 
 
 def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, target=None) -> list[BenchPrompt]:
-    """Every prompt of ``sets``; with a target, tokenized as a chat (plain text without a template)."""
+    """Every prompt of ``sets``; with a target, tokenized as a chat (plain text without a template).
+
+    A prompt with a ``schema`` gets it compiled (``BenchPrompt.grammar``). Raises ValueError
+    for a schema that does not compile or that uses keywords the answer checker cannot judge.
+    """
+    from flashdraft.bench.constrained import schema_grammar
+    from flashdraft.bench.schema_check import unsupported_keywords
     from flashdraft.prompts import load_prompt_set
 
     out = []
@@ -132,7 +144,16 @@ def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, tar
                     ids = target.chat_prompt_ids([{"role": "user", "content": item["prompt"]}])
                 else:  # a base model: the raw text (HumanEval's bare function header when there is one)
                     ids = target.encode(item.get("raw_prompt", item["prompt"]))
-            out.append(BenchPrompt(id=item["id"], set=s, text=item["prompt"], ids=ids, max_tokens=n))
+            schema = item.get("schema")
+            grammar = None
+            if schema is not None:
+                unknown = unsupported_keywords(schema) if isinstance(schema, dict) else {"(not an object)"}
+                if unknown:
+                    raise ValueError(f"{item['id']}: the answer checker cannot judge schema keyword(s) "
+                                     f"{', '.join(sorted(unknown))}")
+                grammar = schema_grammar(schema)  # GrammarError is a ValueError naming the fault
+            out.append(BenchPrompt(id=item["id"], set=s, text=item["prompt"], ids=ids, max_tokens=n,
+                                   schema=schema, grammar=grammar))
     if not out:
         raise ValueError("no prompts to run (check --prompts and --limit)")
     return out
@@ -203,16 +224,23 @@ def sampling_for(temperature: float, args, prompt_index: int, repeat: int) -> Sa
                           seed=args.seed + 1000 * repeat + prompt_index)
 
 
-def warm_up(contenders: list, prompt: BenchPrompt, tokens: int) -> list:
-    """Run each configuration once, unmeasured; one that fails becomes :class:`Unavailable`."""
+def runs_on(c: Contender, prompt: BenchPrompt) -> bool:
+    """Whether ``c`` answers ``prompt``: a constrained prompt needs a configuration that takes a constraint."""
+    return prompt.schema is None or c.takes_constraint
+
+
+def warm_up(contenders: list, prompts: list[BenchPrompt], tokens: int) -> list:
+    """Run each configuration once, unmeasured, on the first prompt it will answer (so a
+    constrained set also warms the grammar engine up); one that fails becomes :class:`Unavailable`."""
     if tokens <= 0:
         return contenders
-    short = BenchPrompt(prompt.id, prompt.set, prompt.text, prompt.ids, min(tokens, prompt.max_tokens))
     out = []
     for c in contenders:
-        if isinstance(c, Unavailable):
+        first = None if isinstance(c, Unavailable) else next((p for p in prompts if runs_on(c, p)), None)
+        if first is None:
             out.append(c)
             continue
+        short = dataclasses.replace(first, max_tokens=min(tokens, first.max_tokens))
         try:
             c.activate()
             c.run(short, SamplingParams())
@@ -226,11 +254,15 @@ def warm_up(contenders: list, prompt: BenchPrompt, tokens: int) -> list:
 def run_all(contenders: list[Contender], prompts: list[BenchPrompt], temperatures: list[float], repeats: int,
             args) -> list[RunRecord]:
     """Every (temperature, repeat, prompt, configuration), configurations innermost and
-    rotated per repeat. A failing run is recorded with its error and the rest go on."""
+    rotated per repeat. A failing run is recorded with its error and the rest go on.
+    Configurations that cannot take a constraint skip constrained prompts (no record);
+    every constrained answer is checked against its schema (``RunRecord.violation``)."""
     from tqdm import tqdm
 
+    from flashdraft.bench.schema_check import check_answer
+
     records = []
-    total = len(temperatures) * repeats * len(prompts) * len(contenders)
+    total = len(temperatures) * repeats * sum(runs_on(c, p) for p in prompts for c in contenders)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True,
               mininterval=1.0) as bar:
         for temp in temperatures:
@@ -240,11 +272,15 @@ def run_all(contenders: list[Contender], prompts: list[BenchPrompt], temperature
                 for i, prompt in enumerate(prompts):
                     params = sampling_for(temp, args, i, rep)
                     for c in order:
+                        if not runs_on(c, prompt):
+                            continue
                         bar.set_postfix_str(f"T={temp:g} pass {rep + 1} {prompt.id} {c.name}")
-                        rec = RunRecord(c.name, prompt.set, prompt.id, temp, rep)
+                        rec = RunRecord(c.name, prompt.set, prompt.id, temp, rep, constrained=prompt.schema is not None)
                         try:
                             c.activate()
                             rec.generation = c.run(prompt, params)
+                            if rec.constrained:
+                                rec.violation = check_answer(rec.generation.text, prompt.schema)
                         except Exception as e:  # noqa: BLE001 - keep benchmarking the others
                             log.warning("%s on %s failed: %s", c.name, prompt.id, e)
                             rec.error = f"{type(e).__name__}: {e}"
@@ -290,11 +326,14 @@ def run(args, target=None) -> int:
             target = Target.load(args.model, weights=args.weights, device=device_from_args(args))
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
-    contenders = warm_up(contenders, prompts[0], args.warmup_tokens)
+    contenders = warm_up(contenders, prompts, args.warmup_tokens)
     active = [c for c in contenders if not isinstance(c, Unavailable)]
     if not active:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in contenders)
         raise ValueError(f"no configuration can run here ({reasons})")
+    if not any(runs_on(c, p) for c in active for p in prompts):
+        reasons = "; ".join(f"{c.name}: {c.constraint_note}" for c in active)
+        raise ValueError(f"every prompt is constrained and no configuration here takes a constraint ({reasons})")
     baseline = "none" if any(c.name == "none" for c in active) else active[0].name
 
     records = run_all(active, prompts, temperatures, args.repeats, args)
@@ -304,14 +343,16 @@ def run(args, target=None) -> int:
     show = args.per_prompt
     if show is None:
         show = max(sum(p.set == s for p in prompts) for s in sets) <= PER_PROMPT_AUTO
-    report.print_markdown(report.markdown(summary, per_prompt, contenders, baseline, args.repeats, show))
+    skipped = skipped_on_constrained(active, prompts)
+    report.print_markdown(report.markdown(summary, per_prompt, contenders, baseline, args.repeats, show, skipped))
 
     if args.json_out:
         settings = _settings(args, sets, temperatures, prompts)
         prompt_list = [{"prompt_set": p.set, "id": p.id, "prompt_tokens": len(p.ids) if p.ids else None,
-                        "max_tokens": p.max_tokens} for p in prompts]
+                        "max_tokens": p.max_tokens, "schema": p.schema} for p in prompts]
         doc = report.build_document(argv=sys.argv, settings=settings, baseline=baseline, contenders=contenders,
-                                    prompts=prompt_list, records=records, summary=summary, per_prompt=per_prompt)
+                                    prompts=prompt_list, records=records, summary=summary, per_prompt=per_prompt,
+                                    skipped=skipped)
         report.write_json(doc, args.json_out)
         log.info("wrote %s", args.json_out)
     if args.plot:
@@ -320,6 +361,13 @@ def run(args, target=None) -> int:
         plot(summary, args.plot, title=_title(args))
         log.info("wrote %s", args.plot)
     return 0
+
+
+def skipped_on_constrained(contenders: list[Contender], prompts: list[BenchPrompt]) -> list[dict]:
+    """``[{config, prompt_sets, reason}]``: configurations left out of constrained prompts."""
+    sets = sorted({p.set for p in prompts if p.schema is not None})
+    return [{"config": c.name, "prompt_sets": sets, "reason": c.constraint_note}
+            for c in contenders if sets and not c.takes_constraint]
 
 
 def _settings(args, sets, temperatures, prompts) -> dict:

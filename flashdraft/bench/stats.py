@@ -5,6 +5,10 @@ A *pass* is one repeat of one configuration over a prompt set. Decode tokens/s o
 real session); the median and the min–max spread are over passes. Speedup is paired: each
 pass is divided by the baseline's pass with the same repeat index (run right next to it),
 so slow drift of the machine cancels; its median and spread are over those ratios.
+
+Constrained runs (a prompt with a JSON schema) add the grammar's cost: milliseconds inside
+the constraint per generated token, ``Σ grammar ms / Σ completion tokens`` per pass, and
+the share of the run's wall time it took; and the answers that broke their schema.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from flashdraft.bench.measure import Generation, SpecCounts
 
 @dataclass
 class RunRecord:
-    """One configuration on one prompt at one temperature in one repeat."""
+    """One configuration on one prompt at one temperature in one repeat.
+
+    ``constrained``: the answer was held to the prompt's JSON schema; ``violation``: why the
+    answer does not parse or satisfy it (None when it does, or when unconstrained).
+    """
 
     config: str
     prompt_set: str
@@ -27,6 +35,8 @@ class RunRecord:
     repeat: int
     generation: Generation | None = None
     error: str | None = None
+    constrained: bool = False
+    violation: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,6 +115,7 @@ def aggregate(runs: list[RunRecord], baseline_runs: list[RunRecord], is_baseline
         "decode_source": ok[0].generation.decode_source if ok else None,
     }
     out.update(_spec_summary(ok, len(by_repeat)))
+    out.update(_grammar_summary(ok, by_repeat))
     out["same_as_baseline"] = _equality(ok, baseline_runs, is_baseline)
     return out
 
@@ -133,6 +144,42 @@ def _spec_summary(ok: list[RunRecord], n_repeats: int) -> dict:
                                     for a, d in zip(c.accepted_per_position, c.drafted_per_position)] or None,
         "accepted_hist": c.accepted_hist or None,
     }
+
+
+def _grammar_summary(ok: list[RunRecord], by_repeat: dict[int, list[RunRecord]]) -> dict:
+    """Constraint numbers of a group: all None when no run was constrained.
+
+    ``grammar_ms_per_token`` / ``grammar_share``: spreads over passes of ms inside the
+    grammar per generated token and of the fraction of wall time (prefill included) it took;
+    ``grammar_ms_per_token_by_role``: the same ms per token split into verify masks, the
+    drafting side and advancing the matcher, over all runs; ``schema_violations``: answers
+    that do not parse or break their schema.
+    """
+    constrained = [r for r in ok if r.constrained]
+    if not constrained:
+        return {"constrained": False, "schema_violations": None, "grammar_ms_per_token": None,
+                "grammar_share": None, "grammar_ms_per_token_by_role": None}
+    per_tok, share = [], []
+    for runs in by_repeat.values():
+        timed = [r.generation for r in runs if r.ok and r.generation.grammar is not None]
+        tokens = sum(g.completion_tokens for g in timed)
+        wall = sum(g.total_ms for g in timed)
+        ms = sum(g.grammar.total_ms for g in timed)
+        if tokens:
+            per_tok.append(ms / tokens)
+        if wall > 0:
+            share.append(ms / wall)
+    timed = [r.generation for r in constrained if r.generation.grammar is not None]
+    tokens = sum(g.completion_tokens for g in timed)
+    roles = None
+    if timed and tokens:
+        roles = {role: 0.0 for role in ("verify", "draft", "advance")}
+        for g in timed:
+            for role, ms in g.grammar.by_role().items():
+                roles[role] += ms / tokens
+    return {"constrained": True, "schema_violations": sum(r.violation is not None for r in constrained),
+            "grammar_ms_per_token": spread(per_tok), "grammar_share": spread(share),
+            "grammar_ms_per_token_by_role": roles}
 
 
 def _equality(ok: list[RunRecord], baseline_runs: list[RunRecord], is_baseline: bool) -> dict | None:
