@@ -29,9 +29,9 @@ def test_llama_server_flags_parse_and_take_effect(tmp_path):
     s = settings_from_args(args)
     assert s.chat_template == ("jinja", tpl.read_text())  # the file wins over --chat-template
     assert (s.slots_endpoint, s.webui, args.verbose) == (False, False, True)
-    assert s.cors.origins == ["http://a.test"]
+    assert s.cors.origins == ["http://a.test"] and s.tags == ["a", "b"]
     assert set(ignored_flags(args)) == {
-        "--offline", "--context-shift", "--tags a,b", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
+        "--offline", "--context-shift", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
         "--backend_sampling", "--embedding", "--reranking", "--pooling mean", "--slot-save-path /tmp",
         "--swa-full", "--models-max 4", "--no-models-autoload", "--spec-synth-rates 0.8,0.6"}
     assert settings_from_args(build_parser().parse_args(["--no-jinja"])).chat_template == ("builtin", None)
@@ -220,3 +220,12 @@ def test_chat_prefill_verbose_choices_apply_template_and_token_count():
         body = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5"}],
                                                               "max_tokens": 2}).json()
         assert body["__verbose"]["prompt"] == "t5" and body["__verbose"]["tokens_evaluated"] == 1
+
+
+def test_aliases_and_tags_in_models():
+    with serve(new_generator(), alias="tinyllama-2,fim,code", tags=["chat", "fim", "small"]) as url:
+        entry = httpx.get(url + "/models").json()["data"][0]
+        assert set(entry["aliases"]) == {"tinyllama-2", "fim", "code"} and entry["tags"] == ["chat", "fim", "small"]
+        assert entry["id"] == "code"  # the first alias in sorted order, as llama-server
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "t5", "max_tokens": 1, "model": "fim"}).json()
+        assert answer["model"] == "code"

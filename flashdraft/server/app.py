@@ -192,7 +192,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "n_ctx_train": getattr(target.config, "max_position_embeddings", None),
                 "spec_type": settings.spec_type, "drafter": state.generator.drafter.name}
         entry = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "flashdraft",
-                 "meta": meta}
+                 "aliases": settings.aliases() or [state.model_id], "tags": settings.tags, "meta": meta}
         return JSONResponse({"object": "list", "data": [entry],
                              "models": [{"name": state.model_id, "model": state.model_id}]})
 

@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                    help="context size in tokens, prompt + output, split across the -np slots (default: 4096)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
-    m.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models and in responses")
+    m.add_argument("-a", "--alias", default=None,
+                   help="model names, comma-separated: /v1/models lists them (its id is the first in sorted "
+                        "order, as llama-server); responses name that id")
+    m.add_argument("--tags", default="", help="model tags, comma-separated, listed by /v1/models (informational)")
     m.add_argument("--jinja", dest="jinja", action="store_true", default=True,
                    help="chat prompts through the model's Jinja template (default; run with transformers)")
     m.add_argument("--no-jinja", dest="jinja", action="store_false",
@@ -178,7 +181,7 @@ def settings_from_args(args: argparse.Namespace):
         if not isinstance(kwargs, dict):
             raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return ServerSettings(
-        alias=args.alias, model_path=args.model,
+        alias=args.alias, tags=_csv(args.tags), model_path=args.model,
         spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=None if args.seed < 0 else args.seed, n_predict=args.n_predict, metrics=args.metrics,

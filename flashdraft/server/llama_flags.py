@@ -132,7 +132,6 @@ IGNORED = """
 --mcp-servers-config : v
 --mcp-servers-json : v
 --agent -ag --no-agent -no-ag : b
---tags : v
 --embedding --embeddings : b
 --rerank --reranking : b
 --pooling : v

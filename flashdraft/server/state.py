@@ -45,7 +45,9 @@ class ServerSettings:
     with llama-server; any field a request sends overrides them.
 
     Attributes:
-        alias: model id reported by ``/v1/models`` (``--alias``); None = the model's name.
+        alias: ``--alias``: model names, comma-separated; the model id is the first in
+            sorted order (llama-server keeps them in a sorted set); None = the model's name.
+        tags: ``--tags``: listed by ``/v1/models``, informational.
         model_path: ``-m`` as given (also accepted as a request ``model``).
         spec_type: drafter kind, for ``/props``.
         n_predict: new tokens for requests that set no limit (``-n``); -1 = until EOS or the
@@ -71,6 +73,7 @@ class ServerSettings:
     """
 
     alias: str | None = None
+    tags: list[str] = field(default_factory=list)
     model_path: str | None = None
     spec_type: str = "dflash"
     temperature: float = 0.8
@@ -93,6 +96,10 @@ class ServerSettings:
     cors: CorsSettings = field(default_factory=CorsSettings)
     shutdown_grace_s: float = 3.0
     verbose: bool = False
+
+    def aliases(self) -> list[str]:
+        """``--alias`` split at commas, sorted (the first is the model id)."""
+        return sorted({a.strip() for a in (self.alias or "").split(",") if a.strip()})
 
     def template_kwargs(self) -> dict:
         """Chat-template variables from ``--chat-template-kwargs`` and ``--reasoning``."""
@@ -142,7 +149,7 @@ class ServerState:
         """Start the worker on ``generator`` and accept requests."""
         self.generator = generator
         self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs(), self.settings.chat_template)
-        self.model_id = self.settings.alias or generator.target.name
+        self.model_id = (self.settings.aliases() or [generator.target.name])[0]
         self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel)
         self.scheduler.start()
         if self.status == "stopping":  # SIGTERM came while loading: stay stopping
