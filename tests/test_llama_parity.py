@@ -108,9 +108,11 @@ def test_cors_preflight_needs_no_key_and_every_answer_carries_the_headers():
         assert pre.status_code == 200
         assert pre.headers["access-control-allow-origin"] in ("*", "http://app.test")
         assert "POST" in pre.headers["access-control-allow-methods"]
-        denied = httpx.get(url + "/v1/models", headers={"Origin": "http://app.test"})
+        denied = httpx.post(url + "/tokenize", json={"content": "t5"}, headers={"Origin": "http://app.test"})
         assert denied.status_code == 401 and "access-control-allow-origin" in denied.headers
-        ok = httpx.get(url + "/v1/models", headers={"Origin": "http://app.test", "Authorization": "Bearer k"})
+        assert httpx.get(url + "/v1/models").status_code == 200  # public, as in llama-server
+        ok = httpx.post(url + "/tokenize", json={"content": "t5"},
+                        headers={"Origin": "http://app.test", "Authorization": "Bearer k"})
         assert ok.status_code == 200 and "access-control-allow-origin" in ok.headers
 
 
@@ -229,3 +231,21 @@ def test_aliases_and_tags_in_models():
         assert entry["id"] == "code"  # the first alias in sorted order, as llama-server
         answer = httpx.post(url + "/v1/completions", json={"prompt": "t5", "max_tokens": 1, "model": "fim"}).json()
         assert answer["model"] == "code"
+
+
+def _preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(url + "/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "Authorization"})
+
+
+def test_cors_defaults_are_llama_servers_and_localhost_is_a_pattern():
+    with serve(new_generator(), api_key="k", cors=CorsSettings()) as url:
+        r = _preflight(url, "web.mydomain.fr")
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "web.mydomain.fr"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+    with serve(new_generator(), cors=CorsSettings(origins=["localhost"])) as url:
+        for origin in ("http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]:3000"):
+            assert _preflight(url, origin).headers.get("access-control-allow-origin") == origin, origin
+        for origin in ("http://evil.com", "http://notlocalhost", "http://localhost.evil.com"):
+            assert "access-control-allow-origin" not in _preflight(url, origin).headers, origin

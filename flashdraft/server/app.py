@@ -12,8 +12,8 @@ Routes (llama-server compatible):
 CORS (``--cors-*``, default: any origin): preflight ``OPTIONS`` requests are answered without
 the API key, as browsers send them without credentials.
 
-With ``api_key`` set, every API route except ``/health`` needs ``Authorization: Bearer KEY``
-(or ``X-Api-Key: KEY``). The chat page and its static files stay public: a browser cannot
+With ``api_key`` set, every API route except ``/health`` and ``/models`` (llama-server's
+public endpoints) needs ``Authorization: Bearer KEY`` (or ``X-Api-Key: KEY``). The chat page and its static files stay public: a browser cannot
 send a header when it opens a URL, the files hold no data, and the page asks for the key
 and sends it with each API call.
 
@@ -48,7 +48,7 @@ from flashdraft.server.state import ServerSettings, ServerState
 log = logging.getLogger(__name__)
 
 #: routes that never need the API key (load balancers probe them; the page holds no data)
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"})
 PUBLIC_PREFIXES = ("/static/",)
 
 #: request body schema per route, for the OpenAPI document (routes parse bodies themselves
@@ -126,8 +126,8 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     # added last = outermost: preflights are answered before the key check, and every
     # response (a 401 too) carries the CORS headers a browser needs to read it
     cors = settings.cors
-    app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
-                       allow_headers=cors.headers, allow_credentials=cors.credentials)
+    app.add_middleware(CORSMiddleware, allow_origins=cors.listed_origins(), allow_origin_regex=cors.origin_regex(),
+                       allow_methods=cors.methods, allow_headers=cors.headers, allow_credentials=cors.credentials)
     install_error_handlers(app)
     if settings.webui:
         webui.register(app)

@@ -106,12 +106,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cache_prompt: false (default)")
     h.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
                    help="requests prefill their whole prompt unless they send cache_prompt: true")
-    h.add_argument("--cors-origins", default="*", help="allowed CORS origins, comma-separated (default: *)")
-    h.add_argument("--cors-methods", default="GET,POST,OPTIONS", help="allowed CORS methods (default: GET,POST,OPTIONS)")
+    h.add_argument("--cors-origins", default="*",
+                   help="allowed CORS origins, comma-separated (default: *); 'localhost' allows http(s) origins on "
+                        "localhost, 127.0.0.1 and [::1] at any port")
+    h.add_argument("--cors-methods", default="GET,POST,DELETE,OPTIONS",
+                   help="allowed CORS methods (default: GET,POST,DELETE,OPTIONS)")
     h.add_argument("--cors-headers", default="*", help="allowed CORS request headers (default: *)")
-    h.add_argument("--cors-credentials", dest="cors_credentials", action="store_true", default=False,
-                   help="allow credentials on CORS requests")
-    h.add_argument("--no-cors-credentials", dest="cors_credentials", action="store_false", help=argparse.SUPPRESS)
+    h.add_argument("--cors-credentials", dest="cors_credentials", action="store_true", default=True,
+                   help="allow credentials (default: on, as llama-server; with --cors-origins * the Origin is echoed)")
+    h.add_argument("--no-cors-credentials", dest="cors_credentials", action="store_false",
+                   help="do not allow credentials on CORS requests")
     h.add_argument("--log-timestamps", action="store_true", help="prefix log lines with the time")
     h.add_argument("--log-prefix", action="store_true", help="prefix log lines with the level")
     h.add_argument("-v", "--verbose", "--log-verbose", action="store_true", help="debug logging")

@@ -28,12 +28,24 @@ MIN_TOP_P = 1e-6
 
 @dataclass
 class CorsSettings:
-    """``--cors-origins/-methods/-headers/-credentials`` (Starlette's CORS middleware)."""
+    """``--cors-origins/-methods/-headers/-credentials`` (Starlette's CORS middleware), with
+    llama-server's defaults: any origin, credentials allowed (the Origin is then echoed)."""
 
     origins: list[str] = field(default_factory=lambda: ["*"])
-    methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
+    methods: list[str] = field(default_factory=lambda: ["GET", "POST", "DELETE", "OPTIONS"])
     headers: list[str] = field(default_factory=lambda: ["*"])
-    credentials: bool = False
+    credentials: bool = True
+
+    #: what ``--cors-origins localhost`` allows (llama-server's special value)
+    LOCALHOST = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
+
+    def origin_regex(self) -> str | None:
+        """The pattern for ``localhost`` among the origins, else None."""
+        return self.LOCALHOST if "localhost" in self.origins else None
+
+    def listed_origins(self) -> list[str]:
+        """The origins given literally (``localhost`` is :meth:`origin_regex`)."""
+        return [o for o in self.origins if o != "localhost"]
 
 
 @dataclass
