@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
-"""Bounded soak test of a flashdraft (or any llama-server-compatible) server on loopback.
+"""Soak test of a flashdraft (or any llama-server-compatible) server on loopback.
 
-N concurrent clients send M chat requests in all, greedy (temperature 0) so that every
-answer to the same prompt must be identical: streamed and non-streamed answers are both
-compared with a reference taken before the load. Some streaming clients disconnect after
-a few events on purpose. The report counts:
+Each phase: the server (one we start with ``--serve ARGS``, or ``--url``) first answers
+every request body alone, one at a time: those greedy answers are the references. Then
+``--clients`` threads send requests for ``--duration`` seconds or ``--requests`` requests,
+mixing chat and text completions, streamed and not, second chat turns that hit the prompt
+cache, tool calls and JSON-schema answers (``--no-structured`` leaves those out),
+streams left mid-way (``--disconnect``) and non-streamed requests cancelled by closing the
+socket (``--cancel``); half-way, ``--burst`` more requests arrive at once, more than the
+slots and queue hold. Request kinds and checks: ``soak_kinds.py``. The report counts:
 
-- errors: transport failures and non-200 answers;
+- errors: transport failures and non-200 answers other than the 503 ``queue_full``
+  overload answer (``rejected``, expected only when the queue is full);
 - lost: requests that got no complete answer within ``--timeout``;
-- corrupted: 200 answers whose text, token count or event stream differ from the
-  reference (missing ``[DONE]``, two finish chunks, an ``error`` event...);
-- latency p50 / p99 of the complete answers; the server's RSS before (after a warm-up)
-  and after the load, and whether the slot was free again right after it.
+- corrupted: answers that differ from the reference (text, token count, tool calls), break
+  the stream protocol, or fail their schema;
+- latency p50 / p99 of the complete answers; the server's RSS after a warm-up (the
+  references) and after the load, and the time until no request was left running.
 
-Exit status 0 only with zero errors, lost and corrupted, a server that still answers the
-reference afterwards, and RSS growth under ``--max-rss-growth-mb`` when that is given.
+Each ``--serve`` is a phase with a server of its own (drafting methods are server-wide,
+so mixing drafters means one phase per ``--spec-type``). Exit status 0 only with zero
+errors, lost and corrupted in every phase, a server that still answers the reference
+afterwards and exits 0 on SIGTERM, and RSS growth under ``--max-rss-growth-mb`` if given.
 
-    scripts/soak.py --serve "--spec-type ngram -c 1024" --clients 4 --requests 24
-    scripts/soak.py --url http://127.0.0.1:8080 --clients 8 --requests 100 --json-out soak.json
+    scripts/soak.py --serve "-np 4 --max-queue 4 --spec-type dflash -t 1" \\
+                    --serve "-np 4 --max-queue 4 --spec-type hybrid -t 1" --duration 420 --json-out soak.json
+    scripts/soak.py --url http://127.0.0.1:8080 --clients 8 --requests 100 --no-structured
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,42 +50,36 @@ from urllib.parse import urlparse
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_kinds import Kinds, Outcome, Specs  # noqa: E402
+
 DEFAULT_PROMPTS = [
     "Write a Python function that reverses a string.",
     "Explain in two sentences what a hash map is.",
     "List three prime numbers and say why each is prime.",
 ]
-
-
-@dataclass
-class Outcome:
-    """One request's result. ``kind``: ``full`` | ``stream`` | ``disconnect``;
-    ``status``: ``ok`` | ``error`` | ``lost`` | ``corrupted``."""
-
-    kind: str
-    prompt: int
-    status: str = "ok"
-    latency_s: float | None = None
-    detail: str = ""
-
-
-@dataclass
-class Reference:
-    """The greedy answer to one prompt, before any load."""
-
-    text: str
-    completion_tokens: int
+STATUSES = ("ok", "rejected", "error", "lost", "corrupted")
 
 
 @dataclass
 class Report:
+    """One phase's figures (see the module docstring)."""
+
     url: str
+    server_args: str | None
     clients: int
-    requests: int
     max_tokens: int
-    counts: dict = field(default_factory=dict)
-    latency_s: dict = field(default_factory=dict)
+    requests: int = 0
     wall_s: float = 0.0
+    kinds: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    errors_by_kind: dict = field(default_factory=dict)
+    http_status: dict = field(default_factory=dict)
+    server_5xx: int = 0
+    burst: dict = field(default_factory=dict)
+    validated: dict = field(default_factory=dict)
+    cache_hits: int = 0
+    latency_s: dict = field(default_factory=dict)
     rss_mb: dict = field(default_factory=dict)
     slot_freed_s: float | None = None
     still_serving: bool = False
@@ -87,12 +90,12 @@ class Report:
     @property
     def passed(self) -> bool:
         c, growth = self.counts, self.rss_mb.get("growth")
-        return (c.get("error", 0) == 0 and c.get("lost", 0) == 0 and c.get("corrupted", 0) == 0
+        return (all(c.get(s, 0) == 0 for s in ("error", "lost", "corrupted")) and self.server_5xx == 0
                 and self.still_serving and self.server_exit_code in (None, 0)
                 and (self.rss_limit_mb is None or growth is None or growth <= self.rss_limit_mb))
 
 
-# -- the server's memory -------------------------------------------------------------------
+# -- the server's memory and state ---------------------------------------------------------
 
 def rss_mb(pid: int | None) -> float | None:
     """Resident set size of ``pid`` in MiB (Linux /proc, else psutil), or None."""
@@ -124,109 +127,6 @@ def listening_pid(url: str) -> int | None:
     return None
 
 
-# -- one request -----------------------------------------------------------------------------
-
-class Client:
-    """Sends chat requests and checks every answer against the references."""
-
-    def __init__(self, url: str, prompts: list[str], max_tokens: int, api_key: str | None, timeout: float):
-        self.url, self.prompts, self.max_tokens, self.timeout = url, prompts, max_tokens, timeout
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.refs: list[Reference] = []
-        self._local = threading.local()
-
-    def http(self) -> httpx.Client:
-        """One keep-alive client per thread, as N real clients would have."""
-        if not hasattr(self._local, "client"):
-            self._local.client = httpx.Client(base_url=self.url, headers=self.headers, timeout=self.timeout)
-        return self._local.client
-
-    def body(self, prompt: int, stream: bool) -> dict:
-        return {"messages": [{"role": "user", "content": self.prompts[prompt]}], "temperature": 0,
-                "max_tokens": self.max_tokens, "stream": stream}
-
-    def reference(self, prompt: int) -> Reference:
-        r = self.http().post("/v1/chat/completions", json=self.body(prompt, False))
-        r.raise_for_status()
-        body = r.json()
-        return Reference(body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"])
-
-    def run(self, kind: str, prompt: int, keep_events: int) -> Outcome:
-        out = Outcome(kind, prompt)
-        t0 = time.perf_counter()
-        try:
-            if kind == "full":
-                self._full(out)
-            else:
-                self._stream(out, keep_events if kind == "disconnect" else None)
-        except httpx.TimeoutException as e:
-            out.status, out.detail = "lost", f"timeout: {e!r}"
-        except httpx.HTTPError as e:
-            out.status, out.detail = "error", f"{type(e).__name__}: {e}"
-        except (ValueError, KeyError, IndexError, TypeError) as e:  # unparsable answer
-            out.status, out.detail = "corrupted", f"{type(e).__name__}: {e}"
-        if out.status == "ok" and kind != "disconnect":
-            out.latency_s = time.perf_counter() - t0
-        return out
-
-    def _check(self, out: Outcome, text: str, tokens: int, timings_n: int) -> None:
-        ref = self.refs[out.prompt]
-        if text != ref.text:
-            out.status, out.detail = "corrupted", f"text differs from the reference: {text[:80]!r}"
-        elif tokens != ref.completion_tokens or timings_n != tokens:
-            out.status, out.detail = "corrupted", (f"token counts differ: usage {tokens}, timings {timings_n}, "
-                                                   f"reference {ref.completion_tokens}")
-
-    def _full(self, out: Outcome) -> None:
-        r = self.http().post("/v1/chat/completions", json=self.body(out.prompt, False))
-        if r.status_code != 200:
-            out.status, out.detail = "error", f"HTTP {r.status_code}: {r.text[:200]}"
-            return
-        body = r.json()
-        self._check(out, body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"],
-                    body["timings"]["predicted_n"])
-
-    def _stream(self, out: Outcome, keep_events: int | None) -> None:
-        parts, finishes, done, events, usage_n, timings_n = [], 0, False, 0, -1, -1
-        with self.http().stream("POST", "/v1/chat/completions", json=self.body(out.prompt, True)) as r:
-            if r.status_code != 200:
-                r.read()
-                out.status, out.detail = "error", f"HTTP {r.status_code}: {r.text[:200]}"
-                return
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if done:
-                    out.status, out.detail = "corrupted", "data after [DONE]"
-                    return
-                if data == "[DONE]":
-                    done = True
-                    continue
-                ev = json.loads(data)
-                if "error" in ev:
-                    out.status, out.detail = "error", f"error event: {ev['error']}"
-                    return
-                events += 1
-                if not ev["choices"]:  # the last chunk (after the finish chunk): usage and timings
-                    usage_n, timings_n = ev["usage"]["completion_tokens"], ev["timings"]["predicted_n"]
-                    continue
-                choice = ev["choices"][0]
-                parts.append(choice["delta"].get("content") or "")
-                if choice["finish_reason"] is not None:
-                    finishes += 1
-                if keep_events is not None and events >= keep_events:
-                    return  # leaving mid-stream on purpose: closing the response drops the connection
-        if keep_events is not None:
-            return  # the answer was shorter than the events we meant to keep: fine
-        if not done or finishes != 1:
-            out.status, out.detail = "corrupted", f"stream ended badly: [DONE] {done}, finish chunks {finishes}"
-            return
-        self._check(out, "".join(parts), usage_n, timings_n)
-
-
-# -- the run -------------------------------------------------------------------------------
-
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]) of ``values``; None when empty."""
     if not values:
@@ -235,11 +135,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def server_idle(client: Client, timeout: float) -> float | None:
+def server_idle(client: httpx.Client, timeout: float) -> float | None:
     """Seconds until ``/metrics`` shows no running or queued request (None without metrics)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
-        r = client.http().get("/metrics")
+        r = client.get("/metrics")
         if r.status_code != 200:
             return None
         values = dict(line.rsplit(" ", 1) for line in r.text.splitlines() if line and not line.startswith("#"))
@@ -250,46 +150,128 @@ def server_idle(client: Client, timeout: float) -> float | None:
     return float("inf")
 
 
-def soak(url: str, clients: int, requests: int, prompts: list[str], max_tokens: int = 32,
-         disconnect: float = 0.2, seed: int = 0, api_key: str | None = None, pid: int | None = None,
-         timeout: float = 300.0) -> Report:
-    """Run the soak against ``url``; see the module docstring. Returns the report."""
-    rng = random.Random(seed)
-    client = Client(url, prompts, max_tokens, api_key, timeout)
-    report = Report(url, clients, requests, max_tokens)
+# -- the load --------------------------------------------------------------------------------
+
+@dataclass
+class Load:
+    """What one phase sends."""
+
+    clients: int = 4
+    requests: int | None = None
+    duration_s: float | None = None
+    max_tokens: int = 32
+    disconnect: float = 0.15
+    cancel: float = 0.1
+    burst: int = 0
+    structured: bool = True
+    seed: int = 0
+    timeout: float = 300.0
+
+
+class Plan:
+    """Hands out (kind, key) pairs to the client threads until the load is done; thread-safe."""
+
+    def __init__(self, load: Load, specs: Specs):
+        self.load, self.rng, self.lock = load, random.Random(load.seed), threading.Lock()
+        self.all_keys = sorted(specs.bodies)
+        self.stream_keys = [k for k in self.all_keys if k not in specs.constrained]
+        self.issued, self.t0 = 0, time.perf_counter()
+
+    def next(self) -> tuple[str, str, random.Random] | None:
+        with self.lock:
+            if self.done():
+                return None
+            self.issued += 1
+            r = self.rng.random()
+            kind = ("disconnect" if r < self.load.disconnect else
+                    "cancel" if r < self.load.disconnect + self.load.cancel else
+                    "stream" if self.rng.random() < 0.5 else "full")
+            keys = self.all_keys if kind in ("full", "cancel") else self.stream_keys
+            return kind, self.rng.choice(keys), random.Random(self.rng.random())
+
+    def done(self) -> bool:
+        if self.load.requests is not None and self.issued >= self.load.requests:
+            return True
+        return self.load.duration_s is not None and time.perf_counter() - self.t0 >= self.load.duration_s
+
+    def halfway(self) -> bool:
+        with self.lock:
+            if self.load.requests is not None and self.issued >= self.load.requests / 2:
+                return True
+            return self.load.duration_s is not None and time.perf_counter() - self.t0 >= self.load.duration_s / 2
+
+
+def soak(url: str, load: Load, prompts: list[str], api_key: str | None = None, pid: int | None = None,
+         server_args: str | None = None) -> Report:
+    """Run one phase against ``url``; see the module docstring. Returns its report."""
+    if load.requests is None and load.duration_s is None:
+        load.requests = 60
+    specs = Specs.build(prompts, load.max_tokens, load.structured)
+    kinds = Kinds(url, specs, api_key, load.timeout)
+    report = Report(url, server_args, load.clients, load.max_tokens)
     rss_start = rss_mb(pid)
-    client.refs = [client.reference(i) for i in range(len(prompts))]  # also the warm-up
+    for key in sorted(specs.bodies):  # one at a time: the references (and the warm-up)
+        kinds.refs[key] = kinds.reference(key)
+    specs.add_second_turns(prompts, kinds.refs, load.max_tokens)
+    for key in (k for k in sorted(specs.bodies) if k not in kinds.refs):
+        kinds.refs[key] = kinds.reference(key)
     rss_before = rss_mb(pid)
 
-    plan = []
-    for i in range(requests):
-        kind = "disconnect" if rng.random() < disconnect else ("stream" if i % 2 else "full")
-        plan.append((kind, i % len(prompts), rng.randint(1, 3)))
+    plan = Plan(load, specs)
+    outcomes: list[Outcome] = []
+    burst_out: list[Outcome] = []
+    bursts: list[threading.Thread] = []
+
+    def client(first: bool) -> None:
+        while (item := plan.next()) is not None:
+            outcomes.append(kinds.run(*item))
+            if first and load.burst and not bursts and plan.halfway():  # fired once, by one client
+                bursts.append(threading.Thread(target=burst, name="soak-burst", daemon=True))
+                bursts[0].start()
+
+    def burst() -> None:
+        with ThreadPoolExecutor(max_workers=load.burst, thread_name_prefix="burst") as pool:
+            burst_out.extend(pool.map(lambda i: kinds.run("burst", "chat0", random.Random(i)), range(load.burst)))
+
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="soak") as pool:
-        outcomes = list(pool.map(lambda p: client.run(*p), plan))
+    with ThreadPoolExecutor(max_workers=load.clients, thread_name_prefix="soak") as pool:
+        for f in [pool.submit(client, i == 0) for i in range(load.clients)]:
+            f.result()
+    for t in bursts:
+        t.join(load.timeout + 30)
     report.wall_s = round(time.perf_counter() - t0, 2)
 
-    idle = server_idle(client, 5.0)
+    with httpx.Client(base_url=url, headers=kinds.headers, timeout=load.timeout) as http:
+        idle = server_idle(http, 10.0)
     report.slot_freed_s = None if idle is None else round(idle, 3)
     rss_after = rss_mb(pid)
     try:
-        final = client.reference(0)
-        report.still_serving = final == client.refs[0]
+        report.still_serving = kinds.reference("chat0") == kinds.refs["chat0"]
     except httpx.HTTPError:
         report.still_serving = False
+    summarise(report, outcomes + burst_out, burst_out, rss_start, rss_before, rss_after)
+    return report
 
-    kinds = ("full", "stream", "disconnect")
-    report.counts = {k: sum(o.kind == k for o in outcomes) for k in kinds}
-    for status in ("ok", "error", "lost", "corrupted"):
-        report.counts[status] = sum(o.status == status for o in outcomes)
+
+def summarise(report: Report, outcomes: list[Outcome], burst_out: list[Outcome], rss_start, rss_before,
+              rss_after) -> None:
+    """Fill ``report``'s counts, latencies and memory from the outcomes."""
+    report.requests = len(outcomes)
+    report.kinds = dict(Counter(f"{o.kind}:{o.key.rstrip('0123456789')}" for o in outcomes))
+    report.counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
+    report.errors_by_kind = dict(Counter(f"{o.status}: {o.detail.split(':')[0]}" for o in outcomes
+                                         if o.status in ("error", "lost", "corrupted")))
+    report.http_status = {str(k): v for k, v in Counter(o.http_status for o in outcomes if o.http_status).items()}
+    report.server_5xx = sum(1 for o in outcomes if o.http_status and o.http_status >= 500 and o.status != "rejected")
+    report.burst = {"size": len(burst_out), **{s: sum(o.status == s for o in burst_out) for s in STATUSES}}
+    report.validated = dict(Counter(o.validated for o in outcomes if o.validated))
+    report.cache_hits = sum(o.cache_n > 0 for o in outcomes)
     lat = [o.latency_s for o in outcomes if o.latency_s is not None]
     report.latency_s = {"n": len(lat), "p50": _r(percentile(lat, 50)), "p99": _r(percentile(lat, 99)),
                         "max": _r(max(lat) if lat else None)}
     report.rss_mb = {"start": _r(rss_start), "before": _r(rss_before), "after": _r(rss_after),
                      "growth": _r(rss_after - rss_before) if rss_after is not None and rss_before else None}
-    report.failures = [asdict(o) for o in outcomes if o.status != "ok"][:20]
-    return report
+    report.failures = [asdict(o) for o in outcomes if o.status in ("error", "lost", "corrupted")][:20]
 
 
 def _r(x: float | None) -> float | None:
@@ -299,7 +281,8 @@ def _r(x: float | None) -> float | None:
 # -- a server of our own ---------------------------------------------------------------------
 
 def start_server(args: str, ready_timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """``python -m flashdraft.server.cli --metrics ARGS`` on a free loopback port, ready."""
+    """``python -m flashdraft.server.cli --metrics ARGS`` (``flashdraft serve``) on a free
+    loopback port, ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -308,10 +291,11 @@ def start_server(args: str, ready_timeout: float = 600.0) -> tuple[subprocess.Po
            *shlex.split(args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TQDM_DISABLE": "1"})
+    threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # a full stderr pipe would block it
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}: {''.join(proc.log[-40:])}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return proc, url
@@ -320,6 +304,12 @@ def start_server(args: str, ready_timeout: float = 600.0) -> tuple[subprocess.Po
         time.sleep(0.5)
     proc.kill()
     raise TimeoutError(f"server not ready after {ready_timeout} s")
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    proc.log = []
+    for line in proc.stderr:
+        proc.log.append(line)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
@@ -333,65 +323,87 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 
 
 def render(report: Report) -> str:
-    """The report as a short text for people."""
-    c, lat, rss = report.counts, report.latency_s, report.rss_mb
+    """One phase's report as a short text for people."""
+    c, lat, rss, b = report.counts, report.latency_s, report.rss_mb, report.burst
     lines = [
-        (f"soak: {report.requests} requests from {report.clients} clients on {report.url} "
-         f"(max_tokens {report.max_tokens}) in {report.wall_s} s"),
-        f"  kinds: {c['full']} full, {c['stream']} streamed, {c['disconnect']} disconnected on purpose",
-        f"  outcome: {c['ok']} ok, {c['error']} errors, {c['lost']} lost, {c['corrupted']} corrupted",
+        f"soak phase: {report.server_args or report.url}",
+        (f"  {report.requests} requests from {report.clients} clients (+ a burst of {b.get('size', 0)}), "
+         f"max_tokens {report.max_tokens}, {report.wall_s} s"),
+        f"  kinds: {', '.join(f'{k} {v}' for k, v in sorted(report.kinds.items()))}",
+        (f"  outcome: {c['ok']} ok, {c['rejected']} rejected (503 queue_full), {c['error']} errors, "
+         f"{c['lost']} lost, {c['corrupted']} corrupted; other 5xx {report.server_5xx}"),
+        f"  burst: {b.get('ok', 0)} ok, {b.get('rejected', 0)} rejected, of {b.get('size', 0)}",
+        f"  validated: {report.validated}; answers with prompt-cache hits: {report.cache_hits}",
         f"  latency (complete answers, n={lat['n']}): p50 {lat['p50']} s, p99 {lat['p99']} s, max {lat['max']} s",
         (f"  server RSS MiB: start {rss['start']}, after warm-up {rss['before']}, after load {rss['after']} "
          f"(growth {rss['growth']}" + (f", limit {report.rss_limit_mb})" if report.rss_limit_mb is not None else ")")),
-        f"  slot free {report.slot_freed_s} s after the load; still serving the reference: {report.still_serving}",
+        f"  idle {report.slot_freed_s} s after the load; still serving the reference: {report.still_serving}",
     ]
     if report.server_exit_code is not None:
         lines.append(f"  server exit code after SIGTERM: {report.server_exit_code}")
     for f in report.failures:
-        lines.append(f"  FAIL {f['kind']} prompt {f['prompt']}: {f['status']}: {f['detail']}")
+        lines.append(f"  FAIL {f['kind']} {f['key']}: {f['status']}: {f['detail']}")
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)
 
 
+def totals(reports: list[Report]) -> dict:
+    """Figures over every phase (latency percentiles are per phase only)."""
+    sums = Counter()
+    for r in reports:
+        sums.update({s: r.counts.get(s, 0) for s in STATUSES})
+    return {"phases": len(reports), "requests": sum(r.requests for r in reports), **sums,
+            "server_5xx": sum(r.server_5xx for r in reports), "passed": all(r.passed for r in reports)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run every phase, print and optionally write the reports."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="base URL of a running server (loopback)")
-    where.add_argument("--serve", metavar="ARGS", help="start `flashdraft serve ARGS` and soak it")
-    p.add_argument("--clients", "-n", type=int, default=4, help="concurrent clients (default 4)")
-    p.add_argument("--requests", "-m", type=int, default=24, help="requests in all (default 24)")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="server to soak (ignored with --serve)")
+    p.add_argument("--serve", action="append", default=None, metavar="ARGS",
+                   help="start `flashdraft serve ARGS` for a phase (repeatable: one phase each)")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    p.add_argument("--requests", type=int, default=None, help="requests per phase (default 60 without --duration)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of load per phase")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
-    p.add_argument("--disconnect", type=float, default=0.2,
-                   help="share of requests that disconnect mid-stream (default 0.2)")
+    p.add_argument("--disconnect", type=float, default=0.15, help="share of streams left mid-way (default 0.15)")
+    p.add_argument("--cancel", type=float, default=0.1, help="share of requests cancelled by the client (default 0.1)")
+    p.add_argument("--burst", type=int, default=0, help="requests sent at once half-way (default 0: none)")
+    p.add_argument("--no-structured", dest="structured", action="store_false",
+                   help="no tool-call or JSON-schema requests (for servers without grammar support)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three short ones)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--pid", type=int, default=None, help="server pid for RSS (default: found by port)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, s (default 300)")
-    p.add_argument("--seed", type=int, default=0, help="which requests disconnect (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the request mix (default 0)")
     p.add_argument("--max-rss-growth-mb", type=float, default=None, help="fail above this RSS growth")
-    p.add_argument("--json-out", default=None, help="also write the report as JSON here")
+    p.add_argument("--json-out", default=None, help="also write the reports as JSON here")
     a = p.parse_args(argv)
 
-    proc = None
-    url, pid = a.url, a.pid
-    if a.serve is not None:
-        proc, url = start_server(a.serve)
-        pid = proc.pid
-    elif pid is None and urlparse(url).hostname in ("127.0.0.1", "localhost", "::1"):
-        pid = listening_pid(url)
-    try:
-        report = soak(url.rstrip("/"), a.clients, a.requests, a.prompt or DEFAULT_PROMPTS, a.max_tokens,
-                      a.disconnect, a.seed, a.api_key, pid, a.timeout)
-    finally:
-        if proc is not None:
-            code = stop_server(proc)
-    if proc is not None:
-        report.server_exit_code = code
-    report.rss_limit_mb = a.max_rss_growth_mb
-    print(render(report))
+    load = Load(a.clients, a.requests, a.duration, a.max_tokens, a.disconnect, a.cancel, a.burst, a.structured,
+                a.seed, a.timeout)
+    reports = []
+    for args in a.serve or [None]:
+        proc, url, pid = None, a.url, a.pid
+        if args is not None:
+            proc, url = start_server(args)
+            pid = proc.pid
+        elif pid is None and urlparse(url).hostname in ("127.0.0.1", "localhost", "::1"):
+            pid = listening_pid(url)
+        try:
+            report = soak(url.rstrip("/"), Load(**asdict(load)), a.prompt or DEFAULT_PROMPTS, a.api_key, pid, args)
+        finally:
+            code = stop_server(proc) if proc is not None else None
+        report.server_exit_code, report.rss_limit_mb = code, a.max_rss_growth_mb
+        print(render(report), flush=True)
+        reports.append(report)
+    total = totals(reports)
+    print(f"total: {total}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2) + "\n")
-    return 0 if report.passed else 1
+        out = {"passed": total["passed"], "totals": total, "load": asdict(load),
+               "phases": [{**asdict(r), "passed": r.passed} for r in reports]}
+        Path(a.json_out).write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if total["passed"] else 1
 
 
 if __name__ == "__main__":
