@@ -249,3 +249,13 @@ def test_cors_defaults_are_llama_servers_and_localhost_is_a_pattern():
             assert _preflight(url, origin).headers.get("access-control-allow-origin") == origin, origin
         for origin in ("http://evil.com", "http://notlocalhost", "http://localhost.evil.com"):
             assert "access-control-allow-origin" not in _preflight(url, origin).headers, origin
+
+
+def test_completion_response_fields_and_prompt():
+    with serve(new_generator()) as url:
+        body = {"prompt": "t5 t9", "n_predict": 3, "temperature": 0}
+        whole = httpx.post(url + "/completion", json=body).json()
+        assert whole["prompt"] == "t5 t9" and "generation_settings" in whole
+        picked = httpx.post(url + "/completion", json={
+            **body, "response_fields": ["content", "generation_settings/n_predict", "prompt", "no/such"]}).json()
+        assert picked == {"content": whole["content"], "generation_settings/n_predict": 3, "prompt": "t5 t9"}

@@ -426,13 +426,15 @@ def register(app: FastAPI, state: ServerState) -> None:
         jobs = batch_jobs(req, None if req.n_predict < 0 else req.n_predict, "n_predict")
         job = jobs[0]  # every job of a batch has the same settings
 
-        def final(c: R.Completion, timings: dict, n_prompt: int = len(job.prompt_ids)) -> dict:
+        def final(c: R.Completion, timings: dict, prompt_ids: list[int] = job.prompt_ids) -> dict:
             stop_type, word = R.stop_details(state.prompts.decode, c, job.stop)
             p = job.params
             settings = {"n_predict": req.n_predict, "temperature": p.temperature, "top_k": p.top_k,
                         "top_p": p.top_p, "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed,
                         "stop": job.stop, "ignore_eos": job.ignore_eos, "n_ctx": state.generator.ctx_size}
-            return R.llama_response(c, timings, model, n_prompt, stop_type, word, settings, req.return_tokens, lps)
+            prompt = state.prompts.decode(prompt_ids, skip_special=False)
+            return req.pick_fields(R.llama_response(c, timings, model, len(prompt_ids), stop_type, word, settings,
+                                                    req.return_tokens, lps, prompt))
 
         lps = logprobs_of(job, req.n_probs)
         if req.stream:
@@ -441,5 +443,5 @@ def register(app: FastAPI, state: ServerState) -> None:
         if len(results) == 1:
             return JSONResponse(final(results[0], timings_of(results[0])))
         # several prompts: one result object each, in order (llama-server's array)
-        return JSONResponse([{"index": i, **final(c, timings_of(c), len(j.prompt_ids))}
+        return JSONResponse([{"index": i, **final(c, timings_of(c), j.prompt_ids)}
                              for i, (c, j) in enumerate(zip(results, jobs))])

@@ -209,14 +209,15 @@ def stop_details(decode: Callable[[list[int]], str], c: Completion, stops: list[
 
 def llama_response(c: Completion, timings: dict, model: str, prompt_n: int, stop_type: str,
                    stopping_word: str, settings: dict, return_tokens: bool = False,
-                   logprobs: Logprobs | None = None) -> dict:
+                   logprobs: Logprobs | None = None, prompt: str = "") -> dict:
     """Non-streamed (or final streamed) ``/completion`` body; ``tokens`` is empty unless
-    ``return_tokens`` (llama-server's default); ``completion_probabilities`` with ``n_probs``."""
+    ``return_tokens`` (llama-server's default); ``completion_probabilities`` with ``n_probs``;
+    ``prompt``: the prompt as the model saw it (special tokens as text)."""
     extra = {"completion_probabilities": logprobs.llama(c.logprobs)} if logprobs else {}
     return {**extra,
         "content": c.text, "tokens": c.token_ids if return_tokens else [], "id_slot": 0, "stop": True, "model": model,
         "tokens_predicted": c.timings.predicted_n, "tokens_evaluated": prompt_n,
-        "generation_settings": settings, "has_new_line": "\n" in c.text, "truncated": False,
+        "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in c.text, "truncated": False,
         "stop_type": stop_type, "stopping_word": stopping_word,
         "tokens_cached": c.timings.cache_n,
         "timings": timings,

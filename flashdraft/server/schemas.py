@@ -344,10 +344,31 @@ class LlamaCompletionRequest(SamplingFields, _PromptForms):
     return_tokens: bool = False
     #: return the top ``n_probs`` tokens' probabilities at each position (0 = none)
     n_probs: int = Field(0, ge=0)
+    #: keep only these fields of the final answer; ``a/b`` names a nested one and becomes a
+    #: top-level key of that name (llama-server's ``response_fields``)
+    response_fields: list[str] | None = None
 
     def logprob_count(self) -> int:
         """Alternatives per token to return; 0 = none."""
         return self.n_probs
+
+    def pick_fields(self, body: dict) -> dict:
+        """``body`` reduced to :attr:`response_fields` (paths that do not exist are left out);
+        the whole body when none are given."""
+        if not self.response_fields:
+            return body
+        out = {}
+        for path in self.response_fields:
+            value, found = body, True
+            for key in path.split("/"):
+                if isinstance(value, dict) and key in value:
+                    value = value[key]
+                else:
+                    found = False
+                    break
+            if found:
+                out[path] = value
+        return out
 
     @field_validator("n_predict")
     @classmethod
