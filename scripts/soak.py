@@ -169,25 +169,45 @@ class Load:
 
 
 class Plan:
-    """Hands out (kind, key) pairs to the client threads until the load is done; thread-safe."""
+    """Hands out (kind, key, rng) to the client threads until the load is done; thread-safe.
+
+    Kinds come from a shuffled deck of 20 with the shares of ``--disconnect`` and
+    ``--cancel`` (the rest half streamed, half not), keys from a deck of every body (the
+    tool and JSON-schema bodies first in each round of non-streamed keys): so even a short
+    run sends every kind and every body, and a long one keeps the shares exactly."""
+
+    DECK = 20
 
     def __init__(self, load: Load, specs: Specs):
         self.load, self.rng, self.lock = load, random.Random(load.seed), threading.Lock()
-        self.all_keys = sorted(specs.bodies)
-        self.stream_keys = [k for k in self.all_keys if k not in specs.constrained]
+        n_disc, n_cancel = round(load.disconnect * self.DECK), round(load.cancel * self.DECK)
+        n_stream = (self.DECK - n_disc - n_cancel) // 2
+        self.kind_deck = (["disconnect"] * n_disc + ["cancel"] * n_cancel + ["stream"] * n_stream
+                          + ["full"] * (self.DECK - n_disc - n_cancel - n_stream))
+        self.constrained = sorted(specs.constrained)
+        self.plain = sorted(k for k in specs.bodies if k not in specs.constrained)
+        self.decks: dict[str, list] = {}
         self.issued, self.t0 = 0, time.perf_counter()
+
+    def _draw(self, name: str, cards: list, first: list | None = None) -> str:
+        deck = self.decks.setdefault(name, [])
+        if not deck:
+            rest = list(cards)
+            self.rng.shuffle(rest)
+            deck.extend(reversed((first or []) + rest))  # popped from the end
+        return deck.pop()
 
     def next(self) -> tuple[str, str, random.Random] | None:
         with self.lock:
             if self.done():
                 return None
             self.issued += 1
-            r = self.rng.random()
-            kind = ("disconnect" if r < self.load.disconnect else
-                    "cancel" if r < self.load.disconnect + self.load.cancel else
-                    "stream" if self.rng.random() < 0.5 else "full")
-            keys = self.all_keys if kind in ("full", "cancel") else self.stream_keys
-            return kind, self.rng.choice(keys), random.Random(self.rng.random())
+            kind = self._draw("kinds", self.kind_deck)
+            if kind in ("full", "cancel"):
+                key = self._draw(f"keys-{kind}", self.plain, self.constrained)
+            else:
+                key = self._draw(f"keys-{kind}", self.plain)
+            return kind, key, random.Random(self.rng.random())
 
     def done(self) -> bool:
         if self.load.requests is not None and self.issued >= self.load.requests:

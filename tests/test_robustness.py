@@ -439,17 +439,21 @@ def test_soak_script_small_run_loses_and_corrupts_nothing(fast, tmp_path, capsys
     url, _ = fast
     soak = load_soak()
     out = tmp_path / "soak.json"
-    rc = soak.main(["--url", url, "--clients", "3", "--requests", "30", "--max-tokens", "12",
-                    "--prompt", PROMPT, "--prompt", "t1 t2 t3 t4", "--disconnect", "0.3",
-                    "--pid", str(os.getpid()), "--max-rss-growth-mb", "64", "--json-out", str(out)])
+    rc = soak.main(["--url", url, "--clients", "3", "--requests", "40", "--max-tokens", "12",
+                    "--prompt", PROMPT, "--prompt", "t1 t2 t3 t4", "--disconnect", "0.2", "--cancel", "0.2",
+                    "--burst", "6", "--no-structured", "--pid", str(os.getpid()), "--max-rss-growth-mb", "64",
+                    "--json-out", str(out)])
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert rc == 0, text
-    assert report["passed"] and report["counts"]["ok"] == 30, text
-    assert report["counts"]["disconnect"] > 0 and report["counts"]["stream"] > 0 and report["counts"]["full"] > 0
-    assert report["latency_s"]["p50"] is not None and report["latency_s"]["p99"] >= report["latency_s"]["p50"]
-    assert report["rss_mb"]["before"] and report["rss_mb"]["after"]
-    assert report["slot_freed_s"] is not None and report["slot_freed_s"] < 1.0
+    phase = report["phases"][0]
+    assert report["passed"] and phase["counts"]["ok"] == 46 and phase["burst"]["ok"] == 6, text
+    kinds = {k.split(":")[0] for k in phase["kinds"]}
+    assert kinds == {"full", "stream", "disconnect", "cancel", "burst"}, phase["kinds"]
+    assert {k.split(":")[1] for k in phase["kinds"]} == {"chat", "cmpl", "turn"}, phase["kinds"]
+    assert phase["latency_s"]["p50"] is not None and phase["latency_s"]["p99"] >= phase["latency_s"]["p50"]
+    assert phase["rss_mb"]["before"] and phase["rss_mb"]["after"]
+    assert phase["slot_freed_s"] is not None and phase["slot_freed_s"] < 1.0
     assert "0 errors, 0 lost, 0 corrupted" in text
 
 
@@ -523,3 +527,26 @@ def test_sigterm_rejects_the_queue_ends_the_stream_cleanly_and_exits_0(tmp_path)
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:
         s.stop()
+
+
+# -- soak v2 on the real server, bounded (≈ 1-2 min) ----------------------------------------------
+
+@pytest.mark.real
+def test_soak_v2_real_server_np4_mixed_load_loses_and_corrupts_nothing(tmp_path):
+    """``scripts/soak.py`` against a real ``flashdraft serve -np 4 --max-queue 4`` with the
+    hybrid drafter and the prompt cache: every kind of request, a burst beyond the queue
+    (some 503 queue_full, no other 5xx), each answer equal to its greedy reference."""
+    soak = load_soak()
+    out = tmp_path / "soak.json"
+    rc = soak.main(["--serve", "-np 4 --max-queue 4 --spec-type hybrid -t 1 -c 2048", "--clients", "4",
+                    "--duration", os.environ.get("FLASHDRAFT_SOAK_S", "60"), "--max-tokens", "12",
+                    "--burst", "12", "--json-out", str(out)])
+    report = json.loads(out.read_text())
+    phase = report["phases"][0]
+    assert rc == 0 and report["passed"], json.dumps(phase, indent=1)
+    c = phase["counts"]
+    assert c["error"] == c["lost"] == c["corrupted"] == phase["server_5xx"] == 0, c
+    assert phase["burst"]["rejected"] > 0 and phase["burst"]["ok"] > 0, phase["burst"]
+    assert {k.split(":")[0] for k in phase["kinds"]} >= {"full", "stream", "disconnect", "cancel", "burst"}
+    assert phase["validated"].get("tool_call", 0) + phase["validated"].get("json_schema", 0) > 0, phase["validated"]
+    assert phase["cache_hits"] > 0 and phase["server_exit_code"] == 0 and phase["still_serving"]
