@@ -45,7 +45,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter attends to at most N recent positions")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(p)
     add_cache_arguments(p)
 
@@ -104,14 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """``flashdraft generate``: prints the text (or JSON with ``--json``)."""
-    import torch
-
     from flashdraft.engine import load_engine
     from flashdraft.generate import generate_text
     from flashdraft.sampling import SamplingParams
+    from flashdraft.threads import apply_threads, describe
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    logging.getLogger("flashdraft").info("%s", describe(*apply_threads(args.threads)))
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

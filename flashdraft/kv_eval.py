@@ -276,9 +276,9 @@ def run(args) -> int:
     """``flashdraft eval-kv``: prints the Markdown table (and writes ``--json-out``)."""
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
     from flashdraft.target import Target
+    from flashdraft.threads import apply_threads, describe
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    log.info("%s", describe(*apply_threads(args.threads)))
     if args.kv_sink_tokens < 0 or args.kv_tail_tokens < 0:
         raise ValueError("--kv-sink-tokens and --kv-tail-tokens must be >= 0")
     if args.ctx < 2 or args.contexts < 1 or args.chunk < 1:

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra chat template variables for every request, a JSON object")
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
-    m.add_argument("-t", "--threads", type=_positive_int, default=None, help="torch CPU threads")
+    m.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(m)
 
     add_cache_arguments(parser.add_argument_group("KV cache"))
@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     from flashdraft.engine import load_engine
     from flashdraft.sampling import SamplingParams
     from flashdraft.server.app import create_app
+    from flashdraft.threads import apply_threads, describe
 
     refused = llama_flags.refused(args)
     for message in refused:
@@ -254,8 +255,7 @@ def run(args: argparse.Namespace) -> int:
     if args.parallel > 1:
         log.info("-np %d: up to %d requests decode together, %d context tokens each (-c %d split across them)",
                  args.parallel, args.parallel, args.ctx_size // args.parallel, args.ctx_size)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    log.info("%s", describe(*apply_threads(args.threads)))
 
     cfg = engine_config_from_args(args)
     try:  # bad flags are refused before the port is bound or the model loads

@@ -257,14 +257,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """``flashdraft eval``: load once, evaluate each temperature, print a table or JSON."""
-    import torch
-
     from flashdraft.cli import cache_fields, engine_config
     from flashdraft.engine import load_engine
     from flashdraft.prompts import load_prompt_set
+    from flashdraft.threads import apply_threads, describe
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    log.info("%s", describe(*apply_threads(args.threads)))
     if args.max_tokens is None:
         args.max_tokens = 256 if args.offline else 128
     if args.offline:
