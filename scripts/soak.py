@@ -417,13 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         report.server_exit_code, report.rss_limit_mb = code, a.max_rss_growth_mb
         print(render(report), flush=True)
         reports.append(report)
+        if a.json_out:  # after every phase: a long run that is stopped keeps what it measured
+            write_json(a.json_out, reports, load)
     total = totals(reports)
     print(f"total: {total}")
-    if a.json_out:
-        out = {"passed": total["passed"], "totals": total, "load": asdict(load),
-               "phases": [{**asdict(r), "passed": r.passed} for r in reports]}
-        Path(a.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return 0 if total["passed"] else 1
+
+
+def write_json(path: str, reports: list[Report], load: Load) -> None:
+    """The phases so far, their totals and the load settings, as JSON."""
+    total = totals(reports)
+    out = {"passed": total["passed"], "totals": total, "load": asdict(load),
+           "phases": [{**asdict(r), "passed": r.passed} for r in reports]}
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
