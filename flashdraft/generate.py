@@ -85,19 +85,20 @@ class Timings:
         return self.draft_depth_sum / (self.n_steps - 1) if self.n_steps > 1 else 0.0
 
     def to_dict(self, drafting: bool) -> dict:
+        # times rounded to the microsecond, rates derived from the rounded times (unrounded),
+        # so a client recomputing a rate from the reported fields gets the same number
+        prompt_ms, predicted_ms = round(self.prompt_ms, 3), round(self.predicted_ms, 3)
+        n_decoded = self.predicted_n - 1  # the first token came from the prefill (llama-server's rate)
         d = {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
-            "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / prompt_ms if prompt_ms else 0.0,
             "predicted_n": self.predicted_n,
-            "predicted_ms": round(self.predicted_ms, 3),
-            # the decode clock starts after the prefill gave the first token: n-1 tokens in
-            # predicted_ms (llama-server's rate)
-            "predicted_per_token_ms": round(self.predicted_ms / (self.predicted_n - 1), 3) if self.predicted_n > 1 else 0.0,
-            "predicted_per_second": (round(1e3 * (self.predicted_n - 1) / self.predicted_ms, 3)
-                                     if self.predicted_ms and self.predicted_n > 1 else 0.0),
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / n_decoded if n_decoded > 0 else 0.0,
+            "predicted_per_second": 1e3 * n_decoded / predicted_ms if predicted_ms and n_decoded > 0 else 0.0,
         }
         if drafting:
             d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,
