@@ -13,6 +13,7 @@ forward, the server's parallel slots step several with one packed forward
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -164,6 +165,8 @@ class Step:
     ``text``: new stream-safe text; ``token_ids``: newly returned tokens; ``finish_reason``
     is set ("stop" | "length") only on the last step, which also carries final timings.
     ``logprobs``: one :class:`TokenLogprob` per token of ``token_ids`` when asked for (``n_probs``).
+    ``progress``: the timings so far, a copy taken at this step (llama-server's
+    ``timings_per_token`` streams them with every chunk).
     """
 
     text: str
@@ -171,6 +174,7 @@ class Step:
     finish_reason: str | None = None
     timings: Timings | None = None
     logprobs: list[TokenLogprob] | None = None
+    progress: Timings | None = None
 
 
 class SpeculativeGenerator:
@@ -407,7 +411,8 @@ class Sequence:
         finish, kept = _emit(self.stream, [first], self.eos, self.max_tokens, t)
         t.n_steps = 1
         self.finish_reason = finish
-        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None)
+        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
+                    progress=copy.copy(t))
 
     def _finish_verify(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         t, drafts, draft, params = self.t, self._drafts, self._draft, self.params
@@ -443,7 +448,8 @@ class Sequence:
             _count_positions(t, n, min(n_acc, len(kept)))
         t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
         self.finish_reason = finish
-        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None)
+        return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
+                    progress=copy.copy(t))
 
     def _grammar_prefix(self, drafts: list[int]) -> int:
         """Drafts kept under the grammar: those it accepts, through the first end of

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import httpx
@@ -259,3 +260,27 @@ def test_completion_response_fields_and_prompt():
         picked = httpx.post(url + "/completion", json={
             **body, "response_fields": ["content", "generation_settings/n_predict", "prompt", "no/such"]}).json()
         assert picked == {"content": whole["content"], "generation_settings/n_predict": 3, "prompt": "t5 t9"}
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_timings_per_token_on_every_streamed_chunk():
+    with serve(new_generator()) as url:
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "t5 t9"}], "max_tokens": 6, "temperature": 0, "stream": True,
+            "timings_per_token": True})
+        events = _events(chat)
+        assert "timings" not in events[0] and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+        counts = [e["timings"]["predicted_n"] for e in content]
+        assert counts and counts == sorted(counts) and counts[-1] <= 6
+        assert all(e["timings"]["prompt_n"] > 0 for e in content)
+        plain = _events(httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "t5 t9"}], "max_tokens": 6, "temperature": 0, "stream": True}))
+        assert not any("timings" in e for e in plain if e["choices"])  # only the final usage chunk
+        llama = _events(httpx.post(url + "/completion", timeout=60, json={
+            "prompt": "t5 t9", "n_predict": 4, "temperature": 0, "stream": True, "timings_per_token": True}))
+        assert all("timings" in e for e in llama)

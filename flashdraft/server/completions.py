@@ -20,7 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from flashdraft.generate import Cancelled, ContextOverflowError, Step
+from flashdraft.generate import Cancelled, ContextOverflowError, Step, Timings
 from flashdraft.server import responses as R
 from flashdraft.server.errors import APIError, bad_request, internal_error
 from flashdraft.server.limits import check_request, over
@@ -125,7 +125,19 @@ async def _collect(ticket: Ticket) -> R.Completion:
 
 
 class StreamFormat:
-    """How one endpoint writes its event stream."""
+    """How one endpoint writes its event stream.
+
+    ``per_token``: with llama-server's ``timings_per_token``, turns a step's running
+    :class:`~flashdraft.generate.Timings` into the ``timings`` object each chunk carries.
+    """
+
+    per_token: Callable[[Timings], dict] | None = None
+
+    def tag(self, chunk: dict, step: Step) -> dict:
+        """``chunk`` plus the timings so far when asked for (``timings_per_token``)."""
+        if self.per_token is not None and step.progress is not None:
+            chunk["timings"] = self.per_token(step.progress)
+        return chunk
 
     def start(self) -> list[bytes]:
         """Events before the first text."""
@@ -172,7 +184,7 @@ class ChatStream(StreamFormat):
         lps = self.logprobs.chat(step.logprobs) if self.logprobs and step.logprobs else None
         if not text and lps is None:
             return None
-        return R.sse(R.chat_chunk(self.meta, {"content": text}, logprobs=lps))
+        return R.sse(self.tag(R.chat_chunk(self.meta, {"content": text}, logprobs=lps), step))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         out = [e for e in [self.delta(step)] if e is not None]
@@ -203,7 +215,7 @@ class CompletionStream(StreamFormat):
             self.offset += sum(len(t) for t in lps["tokens"])
         if not step.text and lps is None:
             return None
-        return R.sse(R.completion_chunk(self.meta, step.text, logprobs=lps))
+        return R.sse(self.tag(R.completion_chunk(self.meta, step.text, logprobs=lps), step))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         out = [e for e in [self.delta(step)] if e is not None]
@@ -226,7 +238,8 @@ class LlamaStream(StreamFormat):
     def delta(self, step: Step) -> bytes | None:
         if not (step.text or step.token_ids):
             return None
-        return R.sse({**R.llama_chunk(step.text, step.token_ids, self.return_tokens), **self._probs(step)})
+        return R.sse(self.tag({**R.llama_chunk(step.text, step.token_ids, self.return_tokens), **self._probs(step)},
+                              step))
 
     def end(self, step: Step, c: R.Completion, timings: dict) -> list[bytes]:
         # the last event carries only its own piece of text (and probabilities), like every other event
@@ -259,7 +272,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             return wrapper
         return deco
 
-    async def stream(request: Request, endpoint: str, ticket: Ticket, fmt: StreamFormat) -> StreamingResponse:
+    async def stream(request: Request, endpoint: str, ticket: Ticket, fmt: StreamFormat,
+                     per_token: bool = False) -> StreamingResponse:
+        if per_token:
+            fmt.per_token = lambda t: t.to_dict(state.generator.drafting)
         events = ticket.events()
         try:
             async with cancel_on_disconnect(request, ticket):
@@ -351,7 +367,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         meta = R.ResponseMeta.new("chatcmpl", model)
         lps = logprobs_of(jobs[0], req.top_logprobs or 0)
         if req.stream:
-            return await stream(request, "chat", state.submit(jobs[0]), ChatStream(meta, lps, tools=bool(tools)))
+            return await stream(request, "chat", state.submit(jobs[0]), ChatStream(meta, lps, tools=bool(tools)),
+                                req.timings_per_token)
         results = await run_all(request, [state.submit(job) for job in jobs])
         calls = [parse_calls(c.text) if tools else None for c in results]
         if len(results) == 1:
@@ -410,7 +427,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         meta = R.ResponseMeta.new("cmpl", model)
         lps = logprobs_of(jobs[0], req.logprob_count())
         if req.stream:
-            return await stream(request, "completions", state.submit(jobs[0]), CompletionStream(meta, lps))
+            return await stream(request, "completions", state.submit(jobs[0]), CompletionStream(meta, lps),
+                                req.timings_per_token)
         results = await run_all(request, state.submit_all(jobs))
         if len(results) == 1:
             body = R.completion_response(meta, results[0], timings_of(results[0]), lps)
@@ -438,7 +456,8 @@ def register(app: FastAPI, state: ServerState) -> None:
 
         lps = logprobs_of(job, req.n_probs)
         if req.stream:
-            return await stream(request, "completion", state.submit(job), LlamaStream(final, req.return_tokens, lps))
+            return await stream(request, "completion", state.submit(job), LlamaStream(final, req.return_tokens, lps),
+                                req.timings_per_token)
         results = await run_all(request, state.submit_all(jobs))
         if len(results) == 1:
             return JSONResponse(final(results[0], timings_of(results[0])))

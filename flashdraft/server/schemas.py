@@ -60,6 +60,8 @@ class SamplingFields(_Strict):
     grammar: str | None = None
     #: OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``
     response_format: dict | None = None
+    #: llama-server: every streamed chunk carries the timings so far
+    timings_per_token: bool = False
 
     @field_validator("response_format")
     @classmethod
