@@ -202,3 +202,18 @@ def test_a_schema_the_checker_cannot_judge_is_refused(target_dir, tmp_path, caps
     prompts.write_text(json.dumps({"prompt": "x", "schema": {"type": "object", "$ref": "#/a"}}) + "\n")
     assert _bench("-m", str(target_dir), "--configs", "none", "--prompts", str(prompts), "--repeats", "1") == 1
     assert "$ref" in capsys.readouterr().err
+
+
+def test_url_mode_sends_the_schema_as_response_format():
+    from flashdraft.bench.contender import BenchPrompt
+    from flashdraft.bench.remote import RemoteServer
+    from flashdraft.sampling import SamplingParams
+
+    server = object.__new__(RemoteServer)  # no server to ask for its model list
+    server.model, server.stream = "m", False
+    held = BenchPrompt("p", "s", "text", None, 32, schema=SCHEMA, grammar=schema_grammar(SCHEMA))
+    body = server._body(held, SamplingParams())
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    assert "response_format" not in server._body(BenchPrompt("q", "s", "text", None, 32), SamplingParams())
+    assert RemoteServer.takes_constraint
