@@ -354,7 +354,8 @@ def load_json_schema_prompts() -> list[dict]:
                 continue
             obj = json.loads(line)
             if not isinstance(obj.get("task"), str) or not isinstance(obj.get("schema"), dict):
-                raise ValueError(f"{JSON_SCHEMA_PROMPTS_PATH}:{n + 1}: expected a string 'task' and an object 'schema'")
+                raise ValueError(f"{JSON_SCHEMA_PROMPTS_PATH}:{n + 1}: "
+                                 "expected a string 'task' and an object 'schema'")
             prompt = JSON_SCHEMA_TEMPLATE.format(task=obj["task"], schema=json.dumps(obj["schema"]))
             out.append({"id": obj["id"], "prompt": prompt, "task": obj["task"], "schema": obj["schema"]})
     return out
