@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
     p.add_argument("--prompts", default="seed",
-                   help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, a worst case "
-                        "for drafting), json-schema (answers held to a JSON schema) or FILE.jsonl (default: seed)")
+                   help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, "
+                        "a worst case for drafting), json-schema (answers held to a JSON schema) or FILE.jsonl "
+                        "(default: seed)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help=f"tokens to generate per prompt "
