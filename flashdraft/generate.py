@@ -230,7 +230,7 @@ class SpeculativeGenerator:
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
                  cache_prompt: bool = False, logit_bias: dict[int, float] | None = None,
-                 n_probs: int = 0, constraint=None) -> Iterator[Step]:
+                 n_probs: int = 0, constraint=None, post_sampling_probs: bool = False) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
@@ -251,7 +251,7 @@ class SpeculativeGenerator:
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
         seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
                        reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs,
-                       constraint=constraint)
+                       constraint=constraint, post_sampling_probs=post_sampling_probs)
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
                 self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree
@@ -288,6 +288,8 @@ class Sequence:
             exactly what the biased target would produce, at T=0 and T>0 alike.
         n_probs: return the log-probabilities of each returned token and of the
             ``n_probs`` most likely tokens at its position (:class:`TokenLogprob`); 0 = none.
+        post_sampling_probs: take those from the sampling distribution of ``params``
+            (:func:`token_logprobs`), not the target's full softmax.
         constraint: a :class:`~flashdraft.constraints.Constraint` (JSON schema, grammar):
             every target row is masked with the grammar state it follows, so the output is
             exactly the constrained target's; drafts are cut at the first refused token.
@@ -300,7 +302,8 @@ class Sequence:
                  params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, drafter: Drafter | None = None,
                  controller: ProfitController | None = None, reuse: PromptCache | None = None,
-                 logit_bias: dict[int, float] | None = None, n_probs: int = 0, constraint=None):
+                 logit_bias: dict[int, float] | None = None, n_probs: int = 0, constraint=None,
+                 post_sampling_probs: bool = False):
         generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -335,6 +338,7 @@ class Sequence:
             self.bias = (torch.tensor(list(logit_bias), dtype=torch.long, device=target.device),
                          torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=target.device))
         self.n_probs = n_probs
+        self.post_sampling_probs = post_sampling_probs
         self.constraint = constraint
         if self.controller is not None:
             self.controller.start_request()
@@ -396,7 +400,8 @@ class Sequence:
         if self.n_probs and step.token_ids:
             # row i of the forward chose returned token i (prefill: its one row; verify: the
             # anchor's row, then one per accepted draft, the last giving the bonus token)
-            step.logprobs = token_logprobs(logits[: len(step.token_ids)], step.token_ids, self.n_probs)
+            step.logprobs = token_logprobs(logits[: len(step.token_ids)], step.token_ids, self.n_probs,
+                                           self.params if self.post_sampling_probs else None)
         return step
 
     def _finish_prefill(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
@@ -478,12 +483,25 @@ class Sequence:
         return depth, min(cap, ctrl.depth)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int) -> list[TokenLogprob]:
-    """:class:`TokenLogprob` of ``token_ids[i]`` from row i of ``logits [len(token_ids), V]``."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int,
+                   sampling: SamplingParams | None = None) -> list[TokenLogprob]:
+    """:class:`TokenLogprob` of ``token_ids[i]`` from row i of ``logits [len(token_ids), V]``.
+
+    ``sampling``: take the log-probabilities from that sampling distribution instead of the
+    full softmax (llama-server's ``post_sampling_probs``): greedy is all mass on the argmax;
+    tokens the filters removed (probability 0) are left out of ``top``.
+    """
+    if sampling is None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+    elif sampling.greedy:
+        lp = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+        lp.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
+    else:
+        lp = filtered_probs(logits, sampling).log()
     chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
     top_v, top_i = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
-    return [TokenLogprob(tok, c, list(zip(ids, vals)))
+    keep = sampling is not None
+    return [TokenLogprob(tok, c, [(i, v) for i, v in zip(ids, vals) if not keep or v > float("-inf")])
             for tok, c, ids, vals in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
 
 

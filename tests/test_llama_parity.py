@@ -284,3 +284,23 @@ def test_timings_per_token_on_every_streamed_chunk():
         llama = _events(httpx.post(url + "/completion", timeout=60, json={
             "prompt": "t5 t9", "n_predict": 4, "temperature": 0, "stream": True, "timings_per_token": True}))
         assert all("timings" in e for e in llama)
+
+
+def test_post_sampling_probs_come_from_the_sampling_distribution():
+    with serve(new_generator()) as url:
+        def probs(**kw):
+            r = httpx.post(url + "/completion", timeout=60, json={"prompt": "t5 t9", "n_predict": 5, "n_probs": 10,
+                                                                  "post_sampling_probs": True, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["completion_probabilities"]
+
+        for tok in probs(temperature=1.0, top_k=3, seed=1):
+            assert 0.0 < tok["prob"] <= 1.0 and "logprob" not in tok
+            assert 1 <= len(tok["top_probs"]) <= 3  # top-k 3: every other token has probability 0
+            assert sum(p["prob"] for p in tok["top_probs"]) == pytest.approx(1.0, abs=1e-5)
+            assert tok["id"] in [p["id"] for p in tok["top_probs"]]
+        for tok in probs(temperature=0):  # greedy: all the mass on the chosen token
+            assert tok["prob"] == 1.0 and [p["id"] for p in tok["top_probs"]] == [tok["id"]]
+        full = httpx.post(url + "/completion", json={"prompt": "t5 t9", "n_predict": 2, "n_probs": 10,
+                                                     "temperature": 0}).json()["completion_probabilities"]
+        assert len(full[0]["top_logprobs"]) == 10 and "logprob" in full[0]  # without the flag: the full softmax

@@ -324,7 +324,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     def logprobs_of(job, n_top: int) -> R.Logprobs | None:
         """The response's log-probability writer when the job computes them."""
-        return R.Logprobs(state.prompts.piece_and_bytes, n_top) if job.n_probs else None
+        return R.Logprobs(state.prompts.piece_and_bytes, n_top, job.post_sampling_probs) if job.n_probs else None
 
     def batch_jobs(req, limit: int | None, limit_param: str, choices: int = 1) -> list:
         """One validated job per prompt of ``req`` and choice (``n``: the choices of a prompt

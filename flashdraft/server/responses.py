@@ -8,6 +8,7 @@ returned tokens, never anything after a stop.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,8 +62,8 @@ class Logprobs:
             ``logprobs: true`` still returns each token's own log-probability).
     """
 
-    def __init__(self, piece: Callable[[int], tuple[str, list[int]]], n_top: int):
-        self.piece, self.n_top = piece, n_top
+    def __init__(self, piece: Callable[[int], tuple[str, list[int]]], n_top: int, post_sampling: bool = False):
+        self.piece, self.n_top, self.post_sampling = piece, n_top, post_sampling
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text, raw = self.piece(token_id)
@@ -87,7 +88,14 @@ class Logprobs:
                 "text_offset": offsets}
 
     def llama(self, lps: list[TokenLogprob]) -> list[dict]:
-        """llama-server ``completion_probabilities``: ``[{id, token, bytes, logprob, top_logprobs}]``."""
+        """llama-server ``completion_probabilities``: ``[{id, token, bytes, logprob, top_logprobs}]``;
+        with ``post_sampling_probs``, ``prob`` and ``top_probs`` (probabilities, as llama-server)."""
+        if self.post_sampling:
+            def entry(i: int, v: float) -> dict:
+                text, raw = self.piece(i)
+                return {"id": i, "token": text, "bytes": raw, "prob": math.exp(v)}
+            return [{**entry(lp.token_id, lp.logprob), "top_probs": [entry(i, v) for i, v in lp.top[: self.n_top]]}
+                    for lp in lps]
         return [{"id": lp.token_id, **self._entry(lp.token_id, lp.logprob),
                  "top_logprobs": [{"id": i, **self._entry(i, v)} for i, v in lp.top[: self.n_top]]} for lp in lps]
 

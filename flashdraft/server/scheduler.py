@@ -50,6 +50,8 @@ class GenerationJob:
             the slot decoded last.
         logit_bias: ``{token_id: bias}`` on the target's logits (``-inf`` bans).
         n_probs: log-probabilities of each returned token and its top ``n_probs`` alternatives.
+        post_sampling_probs: take them from the sampling distribution (after temperature,
+            top-k, top-p, min-p) instead of the target's full softmax (llama-server's flag).
         constraint: the request's grammar (:class:`~flashdraft.constraints.Constraint`), or None.
     """
 
@@ -62,6 +64,7 @@ class GenerationJob:
     logit_bias: dict[int, float] | None = None
     n_probs: int = 0
     constraint: object = None
+    post_sampling_probs: bool = False
 
 
 class JobFailed(Exception):
@@ -193,6 +196,13 @@ class Scheduler:
         return self._queue.qsize()
 
     @property
+    def waiting(self) -> int:
+        """Queued jobs whose client is still there: a ticket cancelled while queued stays in
+        the queue until the worker skips it, but holds no place against ``--max-queue``."""
+        with self._queue.mutex:
+            return sum(1 for t in self._queue.queue if t is not None and not t.cancelled)
+
+    @property
     def busy(self) -> bool:
         """Whether a job is running now."""
         return self._current is not None or bool(self._running)
@@ -303,7 +313,8 @@ class Scheduler:
             for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
                                                 ignore_eos=job.ignore_eos, cancelled=stopped,
                                                 cache_prompt=job.cache_prompt, logit_bias=job.logit_bias,
-                                                n_probs=job.n_probs, constraint=job.constraint):
+                                                n_probs=job.n_probs, constraint=job.constraint,
+                                                post_sampling_probs=job.post_sampling_probs):
                 if self.metrics:
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
@@ -376,7 +387,8 @@ class Scheduler:
             try:
                 batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
                             stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt,
-                            logit_bias=job.logit_bias, n_probs=job.n_probs, constraint=job.constraint)
+                            logit_bias=job.logit_bias, n_probs=job.n_probs, constraint=job.constraint,
+                            post_sampling_probs=job.post_sampling_probs)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

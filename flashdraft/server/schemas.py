@@ -62,6 +62,9 @@ class SamplingFields(_Strict):
     response_format: dict | None = None
     #: llama-server: every streamed chunk carries the timings so far
     timings_per_token: bool = False
+    #: llama-server: probabilities from the sampling distribution (after temperature and
+    #: the top-k / top-p / min-p filters) instead of the full softmax
+    post_sampling_probs: bool = False
 
     @field_validator("response_format")
     @classmethod

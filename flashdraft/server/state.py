@@ -206,11 +206,11 @@ class ServerState:
         wait for a slot (those queued plus these, less the free slots), checked for all of
         them first (the event loop runs no other handler in between)."""
         cap, sched = self.settings.limits.queue, self.scheduler
-        waiting = sched.queued + len(jobs) - max(0, sched.n_slots - sched.slots_busy)
+        waiting = sched.waiting + len(jobs) - max(0, sched.n_slots - sched.slots_busy) if cap else 0
         if cap and waiting > cap:
             err = over("queue", cap, waiting, None, status=503)
             err.type, err.code = "unavailable_error", "queue_full"
-            err.message = f"the server is busy: {sched.queued} requests wait for a slot (--max-queue {cap}); retry later"
+            err.message = f"the server is busy: {sched.waiting} requests wait for a slot (--max-queue {cap}); retry later"
             raise err
         try:
             return [self.scheduler.submit(job) for job in jobs]
@@ -312,7 +312,8 @@ class ServerState:
         return GenerationJob(prompt_ids, limit, params, req.stop_list(),
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
                              cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
-                             logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint)
+                             logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint,
+                             post_sampling_probs=req.post_sampling_probs)
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.
