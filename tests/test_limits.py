@@ -10,7 +10,9 @@ through the real parser.
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -119,3 +121,24 @@ def test_every_limit_has_a_flag_that_sets_it():
     assert got == Limits(*range(1, len(Limits.__dataclass_fields__) + 1))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-tools", "-1"])
+
+
+def test_a_queued_request_whose_client_left_holds_no_place_in_the_queue(low):
+    long = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", low + CHAT, json={**long, "stream": True}, timeout=60) as running:
+        lines = running.iter_lines()
+        next(lines)
+        body = json.dumps({"messages": USER, "max_tokens": 2}).encode()
+        s = socket.create_connection(("127.0.0.1", int(low.rsplit(":", 1)[1])))
+        s.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: metric_values(low)["llamacpp:requests_deferred"] == 1, timeout=10)
+        s.close()  # gone while queued: its ticket is cancelled but still in the queue
+        time.sleep(0.3)
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answers.append(post(low, CHAT, {"messages": USER})))
+        waiter.start()  # takes the place, instead of a 503 queue_full
+        for _ in lines:
+            pass
+    waiter.join(60)
+    assert answers and answers[0].status_code == 200, answers[0].text if answers else answers
