@@ -347,7 +347,8 @@ def render(report: Report) -> str:
     c, lat, rss, b = report.counts, report.latency_s, report.rss_mb, report.burst
     lines = [
         f"soak phase: {report.server_args or report.url}",
-        (f"  {report.requests} requests from {report.clients} clients (+ a burst of {b.get('size', 0)}), "
+        (f"  {report.requests} requests ({report.requests - b.get('size', 0)} from {report.clients} clients, "
+         f"a burst of {b.get('size', 0)}), "
          f"max_tokens {report.max_tokens}, {report.wall_s} s"),
         f"  kinds: {', '.join(f'{k} {v}' for k, v in sorted(report.kinds.items()))}",
         (f"  outcome: {c['ok']} ok, {c['rejected']} rejected (503 queue_full), {c['error']} errors, "
