@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test clean llama-peer
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 # drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server)
 serve: setup
 	$(BIN)/flashdraft serve --spec-type dflash $(ARGS)
+
+# the llama.cpp peer for `flashdraft bench --peers llama` (builds llama.cpp from source, ~10 min on 2 cores)
+llama-peer: setup
+	$(BIN)/pip install llama-cpp-python
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

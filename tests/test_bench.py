@@ -252,3 +252,17 @@ def _has_matplotlib() -> bool:
         return True
     except ImportError:
         return False
+
+
+def test_peers_add_their_configurations_and_an_absent_peer_says_how_to_install(files, capsys, monkeypatch):
+    from flashdraft.bench.runner import parse_configs
+    assert parse_configs("none,dflash", "llama") == ["none", "dflash", "llamacpp", "llamacpp-lookup"]
+    with pytest.raises(ValueError, match="unknown --peers vllm"):
+        parse_configs("none", "vllm")
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert _bench("-m", files["target"], "--configs", "none", "--peers", "llama", "--prompts", files["prompts"],
+                  "--max-tokens", "4", "--repeats", "1", "--threads", "1") == 1
+    err = capsys.readouterr().err
+    assert "--peers" in err and "llama-cpp-python" in err

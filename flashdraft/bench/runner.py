@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
                    help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
+    p.add_argument("--peers", default=None, metavar="llama,hf",
+                   help="add peer engines on the same target to --configs: llama = llamacpp + llamacpp-lookup "
+                        "(llama-cpp-python; `make llama-peer` installs it), hf = transformers generate() and its "
+                        "assisted modes; same threads and prompts")
     p.add_argument("--prompts", default="seed",
                    help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, "
                         "a worst case for drafting), json-schema (answers held to a JSON schema) or FILE.jsonl "
@@ -89,13 +93,21 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def parse_configs(text: str | None) -> list[str]:
-    """``--configs`` -> names in report order. Raises ValueError for unknown names."""
+#: ``--peers`` names -> the peer configurations they add
+PEER_GROUPS = {"llama": ("llamacpp", "llamacpp-lookup"), "hf": ("hf", "hf-lookup", "hf-dflash", "hf-draft")}
+
+
+def parse_configs(text: str | None, peers: str | None = None) -> list[str]:
+    """``--configs`` (plus the ``--peers`` groups) -> names in report order.
+    Raises ValueError for unknown names."""
+    unknown_peers = [p for p in _split(peers or "") if p not in PEER_GROUPS]
+    if unknown_peers:
+        raise ValueError(f"unknown --peers {', '.join(unknown_peers)}; choose from {', '.join(PEER_GROUPS)}")
     if text is None:
         return list(ALL_CONFIGS)
     from flashdraft.bench.contender import fixed_depth
 
-    names = _split(text)
+    names = _split(text) + [c for p in _split(peers or "") for c in PEER_GROUPS[p]]
     unknown = [n for n in names if n not in ALL_CONFIGS and fixed_depth(n) is None]
     if unknown or not names:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; "
@@ -178,7 +190,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
 
     base = engine_config(args)
     dflash_path = dflash_drafter_path(args.model, args.spec_draft_model)
-    threads = args.threads or torch.get_num_threads()
+    threads = torch.get_num_threads()  # set by run(): -t or the default, the same for every configuration
     out = []
     for name in names:
         try:
@@ -299,17 +311,16 @@ def run(args, target=None) -> int:
     Raises:
         ValueError: bad flags, unknown configurations or prompt sets, nothing to run.
     """
-    import torch
-
     from flashdraft.bench import report
+    from flashdraft.threads import apply_threads, describe
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads_used, why = apply_threads(args.threads)
+    log.info("%s", describe(args.threads_used, why))
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     temperatures = parse_temperatures(args.temperature)
     sets = _split(args.prompts)
-    names = parse_configs(args.configs)
+    names = parse_configs(args.configs, args.peers)
 
     if args.url:
         if args.configs:
@@ -327,6 +338,10 @@ def run(args, target=None) -> int:
             target = Target.load(args.model, weights=args.weights, device=device_from_args(args))
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
+        asked = {c for p in _split(args.peers or "") for c in PEER_GROUPS[p]}
+        missing = [f"{c.name}: {c.reason}" for c in contenders if c.name in asked and isinstance(c, Unavailable)]
+        if missing:  # a peer asked for by --peers must run (or say why it cannot)
+            raise ValueError("--peers: " + "; ".join(missing))
     contenders = warm_up(contenders, prompts, args.warmup_tokens)
     active = [c for c in contenders if not isinstance(c, Unavailable)]
     if not active:
@@ -382,7 +397,8 @@ def _settings(args, sets, temperatures, prompts) -> dict:
         "seed": args.seed, "repeats": args.repeats, "warmup_tokens": args.warmup_tokens,
         "model": args.model, "drafter": args.spec_draft_model, "draft_model": args.draft_model,
         "n_draft": args.spec_draft_n_max, "ctx_size": args.ctx_size, "cross_ctx": args.spec_dflash_cross_ctx,
-        "threads": args.threads, "urls": list(args.url), "n_prompts": len(prompts),
+        "threads": getattr(args, "threads_used", args.threads), "threads_flag": args.threads,
+        "urls": list(args.url), "n_prompts": len(prompts),
         "weights": args.weights, **cache_fields(args),
     }
 
