@@ -304,3 +304,13 @@ def test_post_sampling_probs_come_from_the_sampling_distribution():
         full = httpx.post(url + "/completion", json={"prompt": "t5 t9", "n_predict": 2, "n_probs": 10,
                                                      "temperature": 0}).json()["completion_probabilities"]
         assert len(full[0]["top_logprobs"]) == 10 and "logprob" in full[0]  # without the flag: the full softmax
+
+
+def test_unprefixed_routes_are_llama_servers():
+    with serve(new_generator()) as url:
+        native = httpx.post(url + "/completions", json={"prompt": "t5 t9", "n_predict": 3, "temperature": 0}).json()
+        same = httpx.post(url + "/completion", json={"prompt": "t5 t9", "n_predict": 3, "temperature": 0}).json()
+        assert native["content"] == same["content"] and native["stop"] is True  # /completions is /completion
+        chat = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "t5"}],
+                                                           "max_tokens": 2}).json()
+        assert chat["object"] == "chat.completion"

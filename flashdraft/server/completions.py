@@ -418,7 +418,6 @@ def register(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(chat_ids(req, tools, must_call))})
 
     @app.post("/v1/completions")
-    @app.post("/completions", include_in_schema=False)
     @counted("completions")
     async def completions(request: Request) -> Response:
         """OpenAI text completions: one prompt, or a batch (one choice per prompt)."""
@@ -437,6 +436,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(with_verbose(body, req, jobs[0].prompt_ids, results[0]))
 
     @app.post("/completion")
+    @app.post("/completions", include_in_schema=False)  # llama-server: the native endpoint too, not OpenAI's
     @counted("completion")
     async def llama_completion(request: Request) -> Response:
         """llama-server's native completion (``prompt``, ``n_predict``, ``stop``, ``stream``...)."""
