@@ -202,7 +202,8 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
      "content": st.one_of(SOME_WORDS, SOME_WORDS, SOME_WORDS, TEXT, st.none(), st.lists(TEXT_PART, max_size=2))},
     optional={"name": WORDS})
-OPENAI = {"max_tokens": st.integers(1, 24), "n": st.just(1),
+OPENAI = {"max_tokens": st.integers(1, 24), "n": st.integers(1, 3), "verbose": st.booleans(),
+          "timings_per_token": st.booleans(), "post_sampling_probs": st.booleans(),
           "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
           "logit_bias": st.dictionaries(st.integers(0, 63).map(str), st.floats(-100, 100), max_size=3),
           "cache_prompt": st.booleans(),
@@ -211,6 +212,9 @@ OPENAI = {"max_tokens": st.integers(1, 24), "n": st.just(1),
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}}}}
 LLAMA = {"n_probs": st.integers(0, 3), "return_tokens": st.booleans(), "cache_prompt": st.booleans(),
+         "timings_per_token": st.booleans(), "post_sampling_probs": st.booleans(),
+         "response_fields": st.lists(st.sampled_from(["content", "prompt", "generation_settings/n_predict", "x/y"]),
+                                     max_size=3),
          "logit_bias": st.lists(st.tuples(st.integers(0, 63), st.one_of(st.floats(-5, 5), st.just(False))).map(list),
                                 max_size=3),
          "grammar": st.sampled_from(['root ::= "t1" | "t2"', "root ::= [a-z]+"]),
@@ -220,7 +224,12 @@ VALID = {
         **SAMPLING, **OPENAI, "max_completion_tokens": st.integers(1, 24), "logprobs": st.booleans(),
         "top_logprobs": st.integers(0, 3), "tools": st.just([TOOL]),
         "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
-        "chat_template_kwargs": st.dictionaries(st.text(max_size=6), JSON_ANY, max_size=2)}),
+        "chat_template_kwargs": st.dictionaries(st.text(max_size=6), JSON_ANY, max_size=2),
+        "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans()}),
+    "/apply-template": st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3)}, optional={
+        "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "tools": st.just([TOOL])}),
+    "/v1/chat/completions/input_tokens": st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+                                                               optional={"tools": st.just([TOOL])}),
     "/v1/completions": st.fixed_dictionaries({"prompt": st.one_of(
         SOME_WORDS, st.lists(st.integers(0, 63), min_size=1, max_size=8), st.lists(SOME_WORDS, min_size=1, max_size=3))},
         optional={**SAMPLING, **OPENAI, "echo": st.just(False), "logprobs": st.integers(0, 3)}),
@@ -233,7 +242,10 @@ VALID = {
     "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 63), max_size=8)}),
 }
 FIELDS = {CHAT: ["messages", *SAMPLING, *OPENAI, "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs"],
+                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+                 "continue_final_message"],
+          "/apply-template": ["messages", "add_generation_prompt", "continue_final_message", "tools"],
+          "/v1/chat/completions/input_tokens": ["messages", "tools", "max_tokens"],
           "/v1/completions": ["prompt", *SAMPLING, *OPENAI, "echo", "suffix", "best_of", "logprobs"],
           "/completion": ["prompt", "n_predict", *SAMPLING, *LLAMA],
           "/tokenize": ["content", "add_special", "with_pieces"], "/detokenize": ["tokens"]}
