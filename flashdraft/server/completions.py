@@ -369,7 +369,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             return await stream(request, "chat", state.submit(jobs[0]), ChatStream(meta, lps, tools=bool(tools)),
                                 req.timings_per_token)
-        results = await run_all(request, [state.submit(job) for job in jobs])
+        results = await run_all(request, state.submit_all(jobs))
         calls = [parse_calls(c.text) if tools else None for c in results]
         if len(results) == 1:
             body = R.chat_response(meta, results[0], timings_of(results[0]), lps, calls[0])
