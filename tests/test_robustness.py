@@ -156,18 +156,21 @@ def test_bad_input_is_a_4xx_json_error_and_nothing_is_half_applied(fast, case):
     assert_clean(url, ref)
 
 
-API_ROUTES = [("GET", "/v1/models"), ("GET", "/models"), ("GET", "/props"), ("GET", "/metrics"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", CHAT), ("POST", "/v1/completions"),
-              ("POST", "/completion"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/v1/nothing-here")]
+API_ROUTES = [("GET", "/props"), ("GET", "/metrics"), ("GET", "/slots"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", CHAT), ("POST", "/chat/completions"), ("POST", "/v1/completions"), ("POST", "/completion"),
+              ("POST", "/completions"), ("POST", "/apply-template"), ("POST", "/v1/chat/completions/input_tokens"),
+              ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/v1/nothing-here")]
 
 
-def test_api_key_guards_every_api_route_but_health_and_the_page():
+def test_api_key_guards_every_api_route_but_health_models_and_the_page():
     with serve(new_generator(), api_key="sesame", metrics=True) as url:
         for method, path in API_ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "nope"}):
                 r = httpx.request(method, url + path, headers=headers, json={"content": "t1"})
                 assert assert_error_shape(r, 401)["code"] == "invalid_api_key", (method, path)
-        for path in ("/health", "/", "/index.html", "/static/chat.js", "/static/chat.css"):
+        # llama-server's public endpoints (/health, /models) and the chat page's files
+        for path in ("/health", "/v1/health", "/models", "/v1/models", "/", "/index.html", "/static/chat.js",
+                     "/static/chat.css"):
             assert httpx.get(url + path).status_code == 200, path
         ok = httpx.post(url + "/tokenize", json={"content": "t1"}, headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200
