@@ -114,6 +114,8 @@ def test_trailing_assistant_message_is_a_prefill_the_answer_continues(target, te
     assert base.endswith("What is the best book<|im_end|>\n<|im_start|>assistant\n")
     prefill = decode(builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "Whill"}])))
     assert prefill == base + "Whill"  # left open: no <|im_end|>, no new assistant turn
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    assert decode(builder.chat(_msgs(BOOK + [{"role": "assistant", "content": parts}]))) == base + "Wh\n\nill"
     explicit = builder.chat(_msgs(BOOK + [{"role": "assistant", "content": "Whill"}]), add_generation_prompt=False,
                             continue_final_message=True)
     assert decode(explicit) == prefill

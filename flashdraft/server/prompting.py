@@ -101,7 +101,8 @@ class PromptBuilder:
             if not last_is_prefill:
                 raise bad_request("continue_final_message needs a last message from the assistant",
                                   param="continue_final_message")
-        prefill = messages[-1].text() if last_is_prefill else None
+        # a prefill's text parts are joined by blank lines, as llama-server continues them
+        prefill = messages[-1].text("\n\n") if last_is_prefill else None
         head = messages[:-1] if prefill is not None else messages
         rendered = [history_message(ROLE_ALIASES.get(m.role, m.role), m.text(), m.tool_calls) for m in head]
         if system:  # server-written instructions (the tool list): first in the system turn

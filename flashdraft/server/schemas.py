@@ -239,13 +239,13 @@ class ChatMessage(_Strict):
     #: a ``tool`` turn: the call this result answers
     tool_call_id: str | None = None
 
-    def text(self) -> str:
-        """The content as one string (text parts joined without separator)."""
+    def text(self, sep: str = "") -> str:
+        """The content as one string (text parts joined with ``sep``)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return sep.join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_OpenAIFields):
