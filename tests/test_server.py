@@ -639,12 +639,12 @@ def test_logit_bias_in_every_form(server):
     body = {"prompt": COUNTING, "n_predict": 6, "temperature": 0, "return_tokens": True}
     base = post(server, "/completion", body).json()
     first = base["tokens"][0]
-    for bias in ([[first, False]], {str(first): -100}, [[base["content"][:2], False]]):
+    for bias in ([[first, False]], {str(first): -100}, [[base["content"][:2], False]], {base["content"][:2]: False}):
         r = post(server, "/completion", {**body, "logit_bias": bias}).json()
         assert first not in r["tokens"] and r["content"] != base["content"], bias
     boosted = post(server, "/completion", {**body, "n_predict": 3, "logit_bias": {"28": 100}}).json()
     assert boosted["tokens"] == [28, 28, 28]
-    for bad in ({"99999999": 1}, [[1, "x"]], [[1]], {"a": 1}):
+    for bad in ({"99999999": 1}, [[1, "x"]], [[1]], {"a": "x"}):
         assert_error_shape(post(server, "/completion", {**body, "logit_bias": bad}), 400)
 
 

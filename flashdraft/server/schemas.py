@@ -144,8 +144,8 @@ def bias_entries(v: dict | list | None) -> list[tuple[int | str, float]]:
     """``logit_bias`` as ``[(token id or text, bias)]``; ``false`` = never (``-inf``).
 
     Raises:
-        ValueError: a key that is not a token id, a bias that is not a finite number or
-            ``false``.
+        ValueError: a list entry that is not a ``[token id or text, bias]`` pair, a bias that
+            is not a finite number or ``false``.
     """
     if v is None:
         return []
@@ -155,10 +155,9 @@ def bias_entries(v: dict | list | None) -> list[tuple[int | str, float]]:
         if isinstance(v, list) and not (isinstance(pair, list) and len(pair) == 2):
             raise ValueError(f"logit_bias[{i}] must be a [token, bias] pair")
         key, bias = pair
-        if isinstance(v, dict):  # JSON object keys are strings: OpenAI sends ids as "50256"
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias key {key!r} is not a token id")
-            key = int(key)
+        if isinstance(v, dict):  # JSON object keys are strings: OpenAI sends ids as "50256"; any
+            # other key is a text whose tokens get the bias (llama-server's object form)
+            key = int(key) if key.lstrip("-").isdigit() else key
         elif not (_is_id(key) or isinstance(key, str)):
             raise ValueError(f"logit_bias[{i}][0] must be a token id or a text")
         if bias is False:
