@@ -19,6 +19,8 @@ HARMLESS = frozenset({
     "id_slot", "n_keep", "min_keep", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
     "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold", "repeat_last_n", "penalty_last_n",
     "dynatemp_exponent", "penalize_nl", "samplers", "t_max_prompt_ms",
+    # where llama-server samples (on the GPU backend or the CPU): the same distribution either way
+    "backend_sampling",
 })
 
 #: field -> the values that change nothing (compared after JSON decoding; 1 == 1.0)
