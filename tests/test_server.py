@@ -171,13 +171,15 @@ def test_models_lists_the_alias(server):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/chat/completions"])
 def test_any_model_name_is_served_like_llama_server(server, path):
     """llama-server with one model ignores ``model`` (the guide's script sends "local-gemma")
-    and registers the OpenAI routes with and without the /v1 prefix."""
+    and registers chat completions with and without the /v1 prefix; text completions are
+    OpenAI's under /v1 and its native ``/completion`` without (as llama.cpp routes them)."""
     r = post(server, path, chat(model="local-gemma", max_tokens=3, temperature=0))
     assert r.status_code == 200, r.text
     assert r.json()["model"] == ALIAS and r.json()["usage"]["completion_tokens"] > 0
-    r = post(server, path.replace("chat/", ""), {"prompt": "Hello", "model": "anything", "max_tokens": 2})
-    assert r.status_code == 200, r.text
-    assert r.json()["object"] == "text_completion"
+    oai = post(server, "/v1/completions", {"prompt": "Hello", "model": "anything", "max_tokens": 2})
+    assert oai.status_code == 200 and oai.json()["object"] == "text_completion", oai.text
+    native = post(server, "/completions", {"prompt": "Hello", "model": "anything", "n_predict": 2})
+    assert native.status_code == 200 and native.json()["stop"] is True and "content" in native.json(), native.text
 
 
 def test_props_reports_the_defaults(server):
