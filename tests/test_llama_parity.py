@@ -10,7 +10,7 @@ import socket
 
 import httpx
 import pytest
-from inproc import new_generator, serve
+from inproc import metric_values, new_generator, serve
 
 from flashdraft.server import llama_flags
 from flashdraft.server.cli import build_parser, engine_config_from_args, ignored_flags, main, settings_from_args
@@ -249,7 +249,8 @@ def test_cors_defaults_are_llama_servers_and_localhost_is_a_pattern():
         for origin in ("http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]:3000"):
             assert _preflight(url, origin).headers.get("access-control-allow-origin") == origin, origin
         for origin in ("http://evil.com", "http://notlocalhost", "http://localhost.evil.com"):
-            assert "access-control-allow-origin" not in _preflight(url, origin).headers, origin
+            refused = _preflight(url, origin)  # llama-server: 200, no Allow-Origin (the browser refuses)
+            assert refused.status_code == 200 and "access-control-allow-origin" not in refused.headers, origin
 
 
 def test_completion_response_fields_and_prompt():
@@ -314,3 +315,11 @@ def test_unprefixed_routes_are_llama_servers():
         chat = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "t5"}],
                                                            "max_tokens": 2}).json()
         assert chat["object"] == "chat.completion"
+
+
+def test_n_tokens_max_is_declared_a_counter_as_in_llama_server():
+    with serve(new_generator(), metrics=True) as url:
+        httpx.post(url + "/completion", json={"prompt": "t5 t9", "n_predict": 2, "temperature": 0})
+        text = httpx.get(url + "/metrics").text
+        assert "# TYPE llamacpp:n_tokens_max counter" in text
+        assert metric_values(url)["llamacpp:n_tokens_max"] >= 3  # 2 prompt tokens + the answer

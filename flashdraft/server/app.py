@@ -48,6 +48,18 @@ from flashdraft.server.state import ServerSettings, ServerState
 log = logging.getLogger(__name__)
 
 #: routes that never need the API key (load balancers probe them; the page holds no data)
+class PreflightCORS(CORSMiddleware):
+    """Starlette's CORS middleware, with llama-server's answer to a refused preflight: 200
+    without ``Access-Control-Allow-Origin`` (Starlette answers 400). The browser refuses the
+    cross-origin request either way; a 200 keeps clients that treat any 4xx as an outage calm."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code == 400:
+            response.status_code = 200
+        return response
+
+
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"})
 PUBLIC_PREFIXES = ("/static/",)
 
@@ -126,7 +138,7 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     # added last = outermost: preflights are answered before the key check, and every
     # response (a 401 too) carries the CORS headers a browser needs to read it
     cors = settings.cors
-    app.add_middleware(CORSMiddleware, allow_origins=cors.listed_origins(), allow_origin_regex=cors.origin_regex(),
+    app.add_middleware(PreflightCORS, allow_origins=cors.listed_origins(), allow_origin_regex=cors.origin_regex(),
                        allow_methods=cors.methods, allow_headers=cors.headers, allow_credentials=cors.credentials)
     install_error_handlers(app)
     if settings.webui:

@@ -121,8 +121,14 @@ class ServerMetrics:
         return {"Process-Start-Time-Unix": str(self.started)}
 
     def render(self) -> bytes:
-        """Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """Prometheus text exposition of every metric.
+
+        ``llamacpp:n_tokens_max`` is declared a counter, as llama-server declares it (it only
+        ever grows); prometheus-client would name a counter's sample ``..._total``, so it is
+        kept as a gauge inside and only its ``# TYPE`` line says counter.
+        """
+        return generate_latest(self.registry).replace(b"# TYPE llamacpp:n_tokens_max gauge",
+                                                      b"# TYPE llamacpp:n_tokens_max counter")
 
 
 def _ratio(num: Counter, den: Counter) -> float:
