@@ -354,12 +354,11 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/chat/completions", include_in_schema=False)  # llama-server registers both
     @counted("chat")
     async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions (``stream`` supported; ``n`` must be 1)."""
+        """OpenAI chat completions (``stream`` supported for one choice; ``n`` choices otherwise)."""
         req, model = await body_of(request, ChatCompletionRequest)
         n_choices = req.choices()
-        tools = active_tools(req.tools, req.tool_choice)
-        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        ids = chat_ids(req, tools, must_call)
+        tools, must_call = chat_tools(req)
+        ids = state.prompts.encode_segments(chat_segments(req, tools, must_call))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         spec = tool_grammar(tools, must_call, req.parallel_tool_calls) if tools else None
         jobs = [state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages",
@@ -377,13 +376,18 @@ def register(app: FastAPI, state: ServerState) -> None:
             body = R.chat_batch_response(meta, results, [timings_of(c) for c in results], lps, calls)
         return JSONResponse(with_verbose(body, req, ids, results[0]))
 
-    def chat_ids(req: ChatCompletionRequest, tools: list | None, must_call: bool) -> list[int]:
-        """Prompt ids of a chat request: the tool list (if any) in the system turn, the
-        template's rules for the end of the conversation (prefill, no generation prompt)."""
+    def chat_tools(req: ChatCompletionRequest) -> tuple[list | None, bool]:
+        """The request's active tools and whether it must call one."""
+        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        return active_tools(req.tools, req.tool_choice), must_call
+
+    def chat_segments(req: ChatCompletionRequest, tools: list | None, must_call: bool):
+        """A chat request rendered by the template: the tool list (if any) in the system turn,
+        the template's rules for the end of the conversation (prefill, no generation prompt)."""
         system = tool_prompt(tools, must_call) if tools else None
-        return state.prompts.chat(req.messages, req.chat_template_kwargs, system=system,
-                                  add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message)
+        return state.prompts.render(req.messages, req.chat_template_kwargs, system=system,
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message)
 
     def with_verbose(body: dict, req, ids: list[int], c: R.Completion) -> dict:
         """``body`` plus llama-server's ``__verbose`` object when the request (``verbose``)
@@ -400,22 +404,15 @@ def register(app: FastAPI, state: ServerState) -> None:
         chat template, as text (nothing is decoded)."""
         state.require_ready()
         req = parse_request(await read_body(request, state.settings.limits.body_bytes), ChatCompletionRequest)
-        tools = active_tools(req.tools, req.tool_choice)
-        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        system = tool_prompt(tools, must_call) if tools else None
-        segments = state.prompts.render(req.messages, req.chat_template_kwargs, system=system,
-                                        add_generation_prompt=req.add_generation_prompt,
-                                        continue_final_message=req.continue_final_message)
-        return JSONResponse({"prompt": state.prompts.text(segments)})
+        return JSONResponse({"prompt": state.prompts.text(chat_segments(req, *chat_tools(req)))})
 
     @app.post("/v1/chat/completions/input_tokens")
     @app.post("/chat/completions/input_tokens", include_in_schema=False)
     async def chat_input_tokens(request: Request) -> Response:
         """llama-server's token count of a chat request's prompt (``max_tokens`` not needed)."""
         req, _ = await body_of(request, ChatCompletionRequest)
-        tools = active_tools(req.tools, req.tool_choice)
-        must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(chat_ids(req, tools, must_call))})
+        ids = state.prompts.encode_segments(chat_segments(req, *chat_tools(req)))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     @app.post("/v1/completions")
     @counted("completions")
