@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
@@ -308,7 +307,7 @@ class ServerState:
         constraint = self.constraint(req, constraint_spec)
         params = self.sampling(req)
         if choice and params.seed is not None:
-            params = dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
+            params = replace(params, seed=(params.seed + choice) % 2**64)
         return GenerationJob(prompt_ids, limit, params, req.stop_list(),
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
                              cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
