@@ -27,9 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-batch-size", type=int, default=32, help="sequences regenerated together")
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this many hours")
     p.add_argument("--steps", type=int, default=6000, help="optimizer steps (cosine schedule length)")
-    p.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
-    p.add_argument("--feature-layers", type=int, default=3, help="target layers fused as context features")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=None,
+                   help="drafter decoder layers (default 1, or --init-from's; more than --init-from's "
+                        "adds identity-initialised layers)")
+    p.add_argument("--feature-layers", type=int, default=None,
+                   help="target layers fused as context features (default 3)")
+    p.add_argument("--block-size", type=int, default=None, help="block size (default 16, or --init-from's)")
     p.add_argument("--blocks-per-step", type=int, default=256,
                    help="anchors (blocks) per sequence per step, at most one per answer position (default 256)")
     p.add_argument("--seqs-per-step", type=int, default=2, help="sequences per optimizer step (default 2)")
@@ -49,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-features", action="store_true",
                    help="compute stored context features for DATA's shards that lack them, then exit")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (0 = full)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="reduced draft vocabulary size, 0 = full (default 8192, or --init-from's)")
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="bf16 autocast: auto = when a measured bf16 matmul beats float32 on this CPU (default)")

@@ -47,9 +47,12 @@ class TrainConfig:
     data_dir: str
     out_dir: str
     target: str | None = None
-    num_layers: int = 1
-    num_feature_layers: int = 3
-    block_size: int = 16
+    #: drafter shape: None = the warm start's (``init_from``), else 1 layer, 3 feature
+    #: layers, block 16 and an 8 k draft vocabulary (0 = full); given with ``init_from``,
+    #: the warm start is reshaped (:func:`flashdraft.train.warm_start.adapt_drafter`)
+    num_layers: int | None = None
+    num_feature_layers: int | None = None
+    block_size: int | None = None
     blocks_per_step: int = 32
     steps: int = 6000
     max_hours: float | None = None
@@ -57,7 +60,7 @@ class TrainConfig:
     warmup_frac: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    draft_vocab: int = 8192
+    draft_vocab: int | None = None
     mask_token_id: int | None = None
     seed: int = 0
     #: bf16 autocast: True, False, or None = when it pays on this device (:func:`bf16_default`)
@@ -221,22 +224,43 @@ class Trainer:
 
             model = load_dflash_model(cfg.init_from)
             log.info("initialised from %s (layers %s)", cfg.init_from, model.target_layer_ids)
+            if any(v is not None for v in (cfg.block_size, cfg.num_layers, cfg.draft_vocab)) or cfg.feature_layer_ids:
+                from flashdraft.train.warm_start import adapt_drafter
+
+                extra = {} if cfg.draft_vocab is None else {"d2t": self._draft_vocab(cfg.draft_vocab)}
+                model = adapt_drafter(model, t.model, block_size=cfg.block_size, num_layers=cfg.num_layers,
+                                      feature_layer_ids=cfg.feature_layer_ids or None,
+                                      init_layers=cfg.init_layers or None, **extra)
+                log.info("warm start reshaped: %d layers, block %d, feature layers %s, draft vocabulary %s",
+                         len(model.layers), model.block_size, model.target_layer_ids,
+                         "full" if model.d2t is None else model.d2t.numel())
             return self._mark_seeded(model)
         mask = cfg.mask_token_id
         if mask is None:
             mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
-        layer_ids = cfg.feature_layer_ids or build_target_layer_ids(t.num_layers, cfg.num_feature_layers)
-        config = drafter_config_for_target(t.config, cfg.num_layers, cfg.block_size, mask, layer_ids)
+        n_layers = cfg.num_layers or 1
+        layer_ids = cfg.feature_layer_ids or build_target_layer_ids(t.num_layers, cfg.num_feature_layers or 3)
+        config = drafter_config_for_target(t.config, n_layers, cfg.block_size or 16, mask, layer_ids)
         model = DFlashDraftModel(config)
         # the last target layers map hidden states into the LM head's input space
-        init = cfg.init_layers or list(range(t.num_layers - cfg.num_layers, t.num_layers))
+        init = cfg.init_layers or list(range(t.num_layers - n_layers, t.num_layers))
         init_from_target(model, t.model, init)
-        if cfg.draft_vocab:
-            from flashdraft.train.data import training_prompts
-            texts = [p["prompt"] for p in training_prompts()]
-            model.set_draft_vocab(draft_vocabulary(self.seqs, cfg.draft_vocab, t.eos_token_ids | {mask},
-                                                   texts, t.tokenizer))
+        model.set_draft_vocab(self._draft_vocab(8192 if cfg.draft_vocab is None else cfg.draft_vocab, mask))
         return self._mark_seeded(model)
+
+    def _draft_vocab(self, size: int, mask: int | None = None) -> torch.Tensor | None:
+        """The ``size`` most useful target ids (:func:`draft_vocabulary`), None for 0 = full."""
+        if not size:
+            return None
+        from flashdraft.train.data import training_prompts
+
+        t = self.target
+        if mask is None:
+            mask = self.cfg.mask_token_id
+            if mask is None:
+                mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
+        texts = [p["prompt"] for p in training_prompts()]
+        return draft_vocabulary(self.seqs, size, t.eos_token_ids | {mask}, texts, t.tokenizer)
 
     def _mark_seeded(self, model: DFlashDraftModel) -> DFlashDraftModel:
         if self.cfg.ngram_seeded:
@@ -332,7 +356,7 @@ class Trainer:
                         feats = target_features(self.target, ids, self.drafter.target_layer_ids)
                     return DFlashProposals(self.drafter, self.embed_weight, self.head_weight, d2t, feats, ids, n_prompt)
 
-                r = walk_dataset(answers, proposer, self.cfg.block_size - 1, 256, self.target.eos_token_ids)
+                r = walk_dataset(answers, proposer, self.drafter.block_size - 1, 256, self.target.eos_token_ids)
                 result[f"tau_{name}"] = r["tau"]
                 result[f"accept1_{name}"] = r["per_position_acceptance"][0]
         finally:
@@ -345,7 +369,7 @@ class Trainer:
 
         was_training = self.drafter.training
         drafter = DFlashDrafter(self.drafter, self.target.embed_tokens, self.target.lm_head)
-        gen = SpeculativeGenerator(self.target, drafter, n_draft=self.cfg.block_size - 1)
+        gen = SpeculativeGenerator(self.target, drafter, n_draft=self.drafter.block_size - 1)
         result = {}
         for name in ("sharegpt-heldout", "humaneval"):
             produced = steps = 0
@@ -366,13 +390,13 @@ class Trainer:
             cfg.bf16 = bf16_default(self.device)
             log.info("bf16 autocast %s on %s (default for this device)", "on" if cfg.bf16 else "off", self.device)
         self.drafter.train().requires_grad_(True)
-        gamma = default_gamma(cfg.block_size)
+        gamma = default_gamma(self.drafter.block_size)
         deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
         stop = {"flag": False}
         old = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
         log_file = open(self.out / "train_log.jsonl", "a")
         last_ckpt = last_eval = time.time()
-        B = cfg.block_size
+        B = self.drafter.block_size
         correct, counted, loss_avg = torch.zeros(B - 1), torch.zeros(B - 1), None
         order = self._order()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
