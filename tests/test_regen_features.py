@@ -150,3 +150,19 @@ def test_gzipped_shards_are_read_and_not_regenerated(tmp_path, target):
     after = {s[0]: s[1].tolist() for s in read_shards(out)}
     assert {k: after[k] for k in before} == before and len(after) == 4
     assert len(list(out.glob("shard-*.jsonl"))) == 1  # a new plain shard for the new answer
+
+
+def test_cpu_hour_budget_stops_training_and_drives_the_schedule(tmp_path, target):
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS, target=target, max_new_tokens=16, batch_size=4, layer_ids=[0, 1, 2, 3],
+                      progress=False)
+    budget_h = 1.5 / 3600  # 1.5 CPU-seconds: a few steps of this tiny drafter, far fewer than 10,000
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 3],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=10_000, draft_vocab=0,
+                      mask_token_id=63, eval_minutes=0, bf16=False, max_cpu_hours=budget_h)
+    trainer = Trainer(cfg, target=target)
+    result = trainer.train()
+    assert 0 < result["step"] < 10_000
+    assert trainer.cpu_seconds >= 1.5
+    # the cosine ran over CPU time: the last step's learning rate is near the end of the decay
+    assert trainer.opt.param_groups[0]["lr"] < 0.2 * cfg.lr

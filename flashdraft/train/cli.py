@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap for regeneration")
     p.add_argument("--regen-batch-size", type=int, default=32, help="sequences regenerated together")
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this many hours")
+    p.add_argument("--max-cpu-hours", type=float, default=None,
+                   help="stop after this many CPU-hours of training steps; the cosine schedule then runs "
+                        "over CPU time instead of --steps (equal-CPU comparisons)")
     p.add_argument("--steps", type=int, default=6000, help="optimizer steps (cosine schedule length)")
     p.add_argument("--layers", type=int, default=None,
                    help="drafter decoder layers (default 1, or --init-from's; more than --init-from's "
@@ -104,7 +107,7 @@ def run(args) -> int:
     hours = None if args.max_hours is None else max(0.01, args.max_hours - (time.time() - start) / 3600)
     cfg = TrainConfig(data_dir=data, out_dir=str(out), target=args.target, num_layers=args.layers,
                       num_feature_layers=args.feature_layers, block_size=args.block_size,
-                      blocks_per_step=args.blocks_per_step, steps=args.steps, max_hours=hours, lr=args.lr,
+                      blocks_per_step=args.blocks_per_step, steps=args.steps, max_hours=hours, max_cpu_hours=args.max_cpu_hours, lr=args.lr,
                       draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id, seed=args.seed,
                       bf16={"auto": None, "on": True, "off": False}[args.bf16], eval_minutes=args.eval_minutes, seqs_per_step=args.seqs_per_step,
                       feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight,

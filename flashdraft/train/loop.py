@@ -56,6 +56,10 @@ class TrainConfig:
     blocks_per_step: int = 32
     steps: int = 6000
     max_hours: float | None = None
+    #: stop after this many CPU-hours of training steps (``cpu_hours`` in the log, resumed
+    #: runs included); the cosine schedule then runs over CPU time instead of ``steps``, so
+    #: runs of different per-step cost can be compared at equal CPU time
+    max_cpu_hours: float | None = None
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.01
@@ -402,7 +406,9 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
         t_window, rows_window = time.time(), 0
         try:
-            while self.step < cfg.steps and time.time() < deadline and not stop["flag"]:
+            budget = None if cfg.max_cpu_hours is None else cfg.max_cpu_hours * 3600
+            while (self.step < cfg.steps and time.time() < deadline and not stop["flag"]
+                   and (budget is None or self.cpu_seconds < budget)):
                 # 1. a step's sequences (a new epoch picks up newly regenerated data)
                 batch = []
                 while len(batch) < cfg.seqs_per_step:
@@ -422,7 +428,8 @@ class Trainer:
                     if anchors.numel():
                         batch.append((ids.to(self.device), anchors.to(self.device), feats, soft))
                 for group in self.opt.param_groups:
-                    group["lr"] = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac)
+                    group["lr"] = (cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac) if budget is None else
+                                   cosine_lr(int(1000 * self.cpu_seconds), int(1000 * budget), cfg.lr, cfg.warmup_frac))
                 # 2. the blocks' loss, averaged over the step's sequences
                 cpu0 = time.process_time()
                 self.opt.zero_grad(set_to_none=True)
