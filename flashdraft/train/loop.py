@@ -458,7 +458,7 @@ class Trainer:
                 if self.step % 10 == 0:
                     rate = rows_window / (time.time() - t_window)
                     t_window, rows_window = time.time(), 0
-                    bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}",
+                    bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[min(3, acc.numel() - 1)]:.2f}",
                                     acc_mean=f"{acc.mean():.2f}", tok_s=f"{rate:.0f}", ep=self.epoch)
                     log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "loss": loss_avg,
                                                "acc": [round(float(a), 4) for a in acc], "tok_s": rate,
