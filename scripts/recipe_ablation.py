@@ -31,6 +31,7 @@ ROWS = {
     "anchors256": ["--blocks-per-step", "256"],
     "vocab16k": ["--draft-vocab", "16384"],
     "vocab-full": ["--draft-vocab", "0"],
+    "block8-vocab-full": ["--block-size", "8", "--draft-vocab", "0"],
     "layers2": ["--layers", "2"],
     "features+8+20": ["--feature-layer-ids", "1,8,14,20,27"],
     "features+29": ["--feature-layer-ids", "1,14,27,29"],
