@@ -304,11 +304,18 @@ def init_from_target(drafter: DFlashDraftModel, target_model, layer_ids: list[in
         layer_ids = list(range(len(layers) - len(drafter.layers), len(layers)))
     with torch.no_grad():
         for layer, src_id in zip(drafter.layers, layer_ids):
-            own = dict(layer.named_parameters())
-            for name, p in layers[src_id].named_parameters():
-                if name in own and own[name].shape == p.shape:
-                    own[name].copy_(p)
+            copy_target_layer(layer, layers[src_id])
         drafter.norm.weight.copy_(target_model.get_decoder().norm.weight)
+
+
+def copy_target_layer(layer: nn.Module, target_layer: nn.Module) -> None:
+    """Copy a target decoder layer's weights into a drafter layer where names and shapes
+    match (q/k norms the target lacks stay as they are)."""
+    own = dict(layer.named_parameters())
+    with torch.no_grad():
+        for name, p in target_layer.named_parameters():
+            if name in own and own[name].shape == p.shape:
+                own[name].copy_(p)
 
 
 class ContextKVCache:

@@ -239,9 +239,7 @@ class Trainer:
                          len(model.layers), model.block_size, model.target_layer_ids,
                          "full" if model.d2t is None else model.d2t.numel())
             return self._mark_seeded(model)
-        mask = cfg.mask_token_id
-        if mask is None:
-            mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
+        mask = self._mask_token_id()
         n_layers = cfg.num_layers or 1
         layer_ids = cfg.feature_layer_ids or build_target_layer_ids(t.num_layers, cfg.num_feature_layers or 3)
         config = drafter_config_for_target(t.config, n_layers, cfg.block_size or 16, mask, layer_ids)
@@ -252,6 +250,13 @@ class Trainer:
         model.set_draft_vocab(self._draft_vocab(8192 if cfg.draft_vocab is None else cfg.draft_vocab, mask))
         return self._mark_seeded(model)
 
+    def _mask_token_id(self) -> int:
+        """``--mask-token-id``, else SmolLM2's ``<empty_output>``, else the pad token (or 0)."""
+        if self.cfg.mask_token_id is not None:
+            return self.cfg.mask_token_id
+        t = self.target
+        return SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
+
     def _draft_vocab(self, size: int, mask: int | None = None) -> torch.Tensor | None:
         """The ``size`` most useful target ids (:func:`draft_vocabulary`), None for 0 = full."""
         if not size:
@@ -259,10 +264,7 @@ class Trainer:
         from flashdraft.train.data import training_prompts
 
         t = self.target
-        if mask is None:
-            mask = self.cfg.mask_token_id
-            if mask is None:
-                mask = SMOLLM2_MASK_TOKEN_ID if t.vocab_size == 49152 else t.tokenizer.pad_token_id or 0
+        mask = self._mask_token_id() if mask is None else mask
         texts = [p["prompt"] for p in training_prompts()]
         return draft_vocabulary(self.seqs, size, t.eos_token_ids | {mask}, texts, t.tokenizer)
 

@@ -20,7 +20,7 @@ import copy
 
 import torch
 
-from flashdraft.drafters.dflash import DFlashDraftModel
+from flashdraft.drafters.dflash import DFlashDraftModel, copy_target_layer
 
 _UNCHANGED = object()
 
@@ -78,10 +78,7 @@ def adapt_drafter(model: DFlashDraftModel, target_model, *, block_size: int | No
         sources = init_layers or list(range(len(layers) - len(added), len(layers)))
         for layer_index, src in zip(added, sources):
             layer = new.layers[layer_index]
-            own = dict(layer.named_parameters())
-            for name, p in layers[src].named_parameters():
-                if name in own and own[name].shape == p.shape:
-                    own[name].copy_(p)
+            copy_target_layer(layer, layers[src])
             # identity at the start: the residual branches add nothing until trained
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
