@@ -309,11 +309,13 @@ class SourcedController:
 
     name = "profit"
 
-    def __init__(self, n_max: int, sources: tuple[str, ...], **kw):
+    def __init__(self, n_max: int, sources: tuple[str, ...], caps: dict[str, int] | None = None, **kw):
         if not sources:
             raise ValueError("SourcedController needs at least one source")
         self.n_max = n_max
-        self.controllers = {s: ProfitController(n_max, **kw) for s in sources}
+        caps = caps or {}
+        # a source that cannot draft past its own limit (a DFlash block) is controlled up to there only
+        self.controllers = {s: ProfitController(max(1, min(n_max, caps.get(s, n_max))), **kw) for s in sources}
         self._last = self.controllers[sources[0]]
 
     def pick(self, candidates: tuple[str, ...]) -> str:
@@ -363,16 +365,18 @@ class SourcedController:
         return {s: c.snapshot() for s, c in self.controllers.items()}
 
 
-def make_controller(kind: str, n_max: int, sources: tuple[str, ...] = ()) -> ProfitController | SourcedController | None:
+def make_controller(kind: str, n_max: int, sources: tuple[str, ...] = (),
+                    caps: dict[str, int] | None = None) -> ProfitController | SourcedController | None:
     """The controller ``--spec-dm-controller kind`` asks for; None for ``off`` (fixed depth).
 
     Args:
         sources: the drafter's sources when it has several (the hybrid): one controller each.
+        caps: per source, its longest draft when shorter than ``n_max`` (the hybrid's DFlash block).
     Raises:
         ValueError: unknown ``kind``.
     """
     if kind == "off":
         return None
     if kind == "profit":
-        return SourcedController(n_max, sources) if len(sources) > 1 else ProfitController(n_max)
+        return SourcedController(n_max, sources, caps) if len(sources) > 1 else ProfitController(n_max)
     raise ValueError(f"unknown --spec-dm-controller {kind!r}; choose from {', '.join(CONTROLLERS)}")

@@ -181,7 +181,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
             from flashdraft.drafters.hybrid import HybridDrafter
             from flashdraft.drafters.ngram import NgramDrafter
 
-            return HybridDrafter(drafter, NgramDrafter(cfg.ngram_max, cfg.ngram_min))
+            # prompt lookup may copy past the DFlash block: up to --spec-draft-n-max tokens
+            return HybridDrafter(drafter, NgramDrafter(cfg.ngram_max, cfg.ngram_min), ngram_depth=cfg.n_draft)
         return drafter
     except ValueError as e:
         if "head_dim" in str(e):
@@ -214,7 +215,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
         n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
         sources = getattr(drafter, "SOURCES", ())  # a mixed-source drafter: one controller per source
-        controller = make_controller(cfg.controller, n_max, sources)
+        controller = make_controller(cfg.controller, n_max, sources, getattr(drafter, "source_max_draft", None))
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,
                                kv=kv)

@@ -331,3 +331,45 @@ def test_sourced_controller_picks_the_source_that_gains_most():
             ctl.update(d, min(d, accepted), 0.010 + 0.002 * d)
     assert c.pick(("ngram", "dflash")) == "ngram" and c.pick(("dflash", "ngram")) == "ngram"
     assert c.controllers["dflash"].depth == 0 and c.controllers["ngram"].depth > 0
+
+
+def test_hybrid_copies_past_the_dflash_block():
+    """Prompt lookup in the hybrid drafts up to ``ngram_depth`` tokens while DFlash drafts
+    stay within its block, each source's controller is capped at its own longest draft, and
+    greedy output is still the target's."""
+    from flashdraft.adaptive import make_controller
+    from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
+    from flashdraft.drafters.hybrid import HybridDrafter
+
+    target = tiny_target("llama", seed=3)
+    dflash = DFlashDrafter(random_dflash_model(target.model, num_layers=1, block_size=4), target.embed_tokens,
+                           target.lm_head)
+    hybrid = HybridDrafter(dflash, ngram_depth=10)
+    assert hybrid.max_draft == 10 and hybrid.source_max_draft == {"ngram": 10, "dflash": 3, "dflash-matched": 3}
+    with pytest.raises(ValueError, match="ngram_depth"):
+        HybridDrafter(dflash, ngram_depth=0)
+    tokens = torch.tensor(list(range(20, 32)) + [20, 21])  # "20 21" seen before: 22..31 20 21 follow
+    assert hybrid.next_source(tokens) == "ngram"
+    assert hybrid.propose(tokens, 10, GREEDY, torch.Generator()).tokens.tolist() == list(range(22, 32))
+    hybrid.reset()
+    hybrid.next_source(torch.tensor([40, 41, 42]))  # nothing to copy: DFlash, at most its block
+    assert len(hybrid.propose(torch.tensor([40, 41, 42]), 10, GREEDY, torch.Generator()).tokens) <= 3
+    ctl = make_controller("profit", 10, HybridDrafter.SOURCES, hybrid.source_max_draft)
+    assert {s: c.n_max for s, c in ctl.controllers.items()} == {"ngram": 10, "dflash": 3, "dflash-matched": 3}
+
+    prompt = [5, 9, 3, 7] * 12
+    for seed in (3, 5):  # seed 5's answer repeats a 4-token cycle: copies longer than the block pay
+        target = tiny_target("llama", seed=seed)
+        dflash = DFlashDrafter(random_dflash_model(target.model, num_layers=1, block_size=4), target.embed_tokens,
+                               target.lm_head)
+        base = generate_text(SpeculativeGenerator(target), prompt, 60, GREEDY, ignore_eos=True)[1]
+        for controlled in (False, True):
+            hybrid = HybridDrafter(dflash, ngram_depth=10)
+            ctl = make_controller("profit", 10, HybridDrafter.SOURCES, hybrid.source_max_draft) if controlled else None
+            gen = SpeculativeGenerator(target, hybrid, n_draft=10, controller=ctl)
+            _, ids, _, t = generate_text(gen, prompt, 60, GREEDY, ignore_eos=True)
+            assert ids == base
+            if ctl is not None:
+                assert max(ctl.controllers["dflash"].depth, ctl.controllers["dflash-matched"].depth) <= 3
+            elif seed == 5:
+                assert len(t.drafted_per_position) == 10 and t.accepted_per_position[3] > 0

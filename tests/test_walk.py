@@ -193,3 +193,26 @@ def test_ngram_seeded_flag_survives_export(tmp_path, target, fmt):
         save_gguf(tmp_path / "d.gguf", model.config, model.state_dict(), arch=fmt)
         loaded = load_dflash_model(tmp_path / "d.gguf")
     assert loaded.ngram_seeded and not random_dflash_model(target.model).ngram_seeded
+
+
+def test_offline_hybrid_copies_past_the_dflash_block(tmp_path, target):
+    """``offline_eval(ngram_depth=D)`` walks prompt lookup at depth D as well, and the
+    hybrid's n-gram steps draft up to D while its DFlash steps stay within the block."""
+    import json
+
+    from flashdraft.train.walk import offline_eval
+
+    answers = baseline_answers(target)
+    with open(tmp_path / "shard-00000.jsonl", "w") as f:
+        for sid, ids, n_prompt, _ in answers:
+            f.write(json.dumps({"id": sid, "prompt_ids": ids[:n_prompt].tolist(),
+                                "response_ids": ids[n_prompt:].tolist()}) + "\n")
+    model = random_dflash_model(target.model, num_layers=1, block_size=4, mask_token_id=63, seed=2)
+    out = offline_eval(target, model, tmp_path, 3, MAX_TOKENS, progress=False, ngram_depth=9)
+    deep = walk_dataset(answers, lambda ids, n, _: DrafterProposals(NgramDrafter(), ids, n), 9, MAX_TOKENS,
+                        target.eos_token_ids)
+    assert out["ngram (depth 9)"] == deep and deep["draft_n_accepted"] > 0
+    assert len(out["ngram"]["per_position_drafted"]) == 3
+    hybrid = out["hybrid (ngram, else dflash)"]
+    assert 3 < len(hybrid["per_position_drafted"]) <= 9 and hybrid["per_position_drafted"][3] > 0
+    assert "ngram (depth 3)" not in offline_eval(target, model, tmp_path, 3, MAX_TOKENS, progress=False)

@@ -11,6 +11,11 @@ The choice is made before the step's depth (:meth:`HybridDrafter.next_source`), 
 depth controller can keep one set of estimates per source: DFlash failing early in an
 answer must not turn off n-gram drafts that would be accepted later, and the other way round.
 The choice only decides *which* tokens are verified, so output stays the target's own.
+
+The two sources have their own longest draft: a DFlash drafter proposes at most its block
+size - 1 tokens, while a prompt-lookup continuation may run to ``ngram_depth`` (a copied
+span is often longer than a block 8 drafter's 7 drafts), so ``max_draft`` is the larger
+and :attr:`HybridDrafter.source_max_draft` tells the depth controller each source's own.
 """
 
 from __future__ import annotations
@@ -30,22 +35,33 @@ class HybridDrafter(Drafter):
         dflash: the DFlash drafter (its context cache is kept current every step).
         ngram: the prompt-lookup drafter.
         decay: weight of the past in the per-source averages of accepted drafts per step.
+        probe_every: matched steps sent to DFlash before prompt lookup is tried anyway.
+        ngram_depth: longest prompt-lookup draft (default: the DFlash drafter's block size - 1);
+            DFlash drafts stay at most the drafter's block size - 1.
+    Raises:
+        ValueError: ``decay`` outside [0, 1) or ``ngram_depth < 1``.
     Attributes:
         accepted: per source ("ngram", "dflash"), the running average of accepted drafts per
             step it drafted (starts equal, so n-gram candidates are tried first: they are free).
         steps: per source, how many steps it drafted in this sequence.
+        source_max_draft: per source of :attr:`SOURCES`, the longest draft it can propose.
     """
 
     name = "hybrid"
 
     def __init__(self, dflash: DFlashDrafter, ngram: NgramDrafter | None = None, decay: float = 0.8,
-                 probe_every: int = 8):
+                 probe_every: int = 8, ngram_depth: int | None = None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if ngram_depth is not None and ngram_depth < 1:
+            raise ValueError(f"ngram_depth must be >= 1, got {ngram_depth}")
         self.dflash, self.ngram, self.decay = dflash, ngram or NgramDrafter(), decay
         self.probe_every = probe_every
         self.feature_layer_ids = dflash.feature_layer_ids
-        self.max_draft = dflash.max_draft
+        self.ngram_depth = ngram_depth or dflash.max_draft
+        self.max_draft = max(dflash.max_draft, self.ngram_depth)
+        self.source_max_draft = {"ngram": self.ngram_depth, "dflash": dflash.max_draft,
+                                 "dflash-matched": dflash.max_draft}
         self.reset()
 
     def reset(self) -> None:
@@ -68,7 +84,7 @@ class HybridDrafter(Drafter):
 
     def fork(self) -> "HybridDrafter":
         return HybridDrafter(self.dflash.fork(), NgramDrafter(self.ngram.max_ngram, self.ngram.min_ngram),
-                             self.decay, self.probe_every)
+                             self.decay, self.probe_every, self.ngram_depth)
 
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:
         if self._pending is not None:  # what the last verify kept of that source's drafts
@@ -88,7 +104,7 @@ class HybridDrafter(Drafter):
         the two sources' expected tokens per second) decides, else the running averages of
         accepted drafts; every ``probe_every`` matched steps that went to DFlash, prompt
         lookup is tried anyway so its estimates stay current."""
-        lookup = self.ngram.propose(tokens, self.max_draft or 16, SamplingParams(), None)
+        lookup = self.ngram.propose(tokens, self.ngram_depth, SamplingParams(), None)
         probe = self._since_ngram >= self.probe_every
         if not lookup.tokens.numel():
             source = "dflash"
@@ -106,7 +122,7 @@ class HybridDrafter(Drafter):
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Draft:
-        n = min(n, self.max_draft)
+        n = min(n, self.max_draft)  # each source cuts to its own longest draft below
         if n <= 0:
             return Draft.empty()
         if self._choice is None or self._choice[0] != tokens.shape[0]:

@@ -315,11 +315,17 @@ def reference_sequences(data_dirs) -> list[tuple[torch.Tensor, int]]:
 
 
 def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, max_tokens: int = 256,
-                 bigram: BigramTable | None = None, limit: int | None = None, progress: bool = True) -> dict:
+                 bigram: BigramTable | None = None, limit: int | None = None, progress: bool = True,
+                 ngram_depth: int | None = None) -> dict:
     """τ and per-position acceptance of the drafter and the reference drafters on one answer set.
 
-    Returns ``{"dflash": stats, "ngram": stats, "bigram": stats}`` (the :class:`AcceptanceStats`
-    dict of each; ``dflash`` only when a drafter is given, ``bigram`` only with a table).
+    Args:
+        n_draft: draft tokens per step of the DFlash, ngram and bigram walks (block size - 1).
+        ngram_depth: longest prompt-lookup draft of the hybrid (as ``--spec-type hybrid``
+            online, whose copies may run past the DFlash block); when it exceeds ``n_draft``,
+            prompt lookup is also walked at that depth (``"ngram (depth D)"``).
+    Returns ``{"dflash": stats, "ngram": stats, "bigram": stats, ...}`` (the :class:`AcceptanceStats`
+    dict of each; ``dflash`` and the hybrid only when a drafter is given, ``bigram`` only with a table).
     """
     from flashdraft.drafters.ngram import NgramDrafter
 
@@ -349,10 +355,17 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
             lookup, drafted = DrafterProposals(NgramDrafter(), ids, n_prompt), dflash(ids, n_prompt, feats)
             return lambda i, room: lookup(i, room) or drafted(i, room)
 
-        out["hybrid (ngram, else dflash)"] = walk_dataset(answers, hybrid, n_draft, max_tokens, eos, progress,
+        # the DFlash table's rows are n_draft long: a deeper walk takes them whole, the
+        # n-gram continuation up to its own depth
+        deep = max(n_draft, ngram_depth or n_draft)
+        out["hybrid (ngram, else dflash)"] = walk_dataset(answers, hybrid, deep, max_tokens, eos, progress,
                                                           "hybrid")
     out["ngram"] = walk_dataset(answers, lambda ids, n, _: DrafterProposals(NgramDrafter(), ids, n),
                                 n_draft, max_tokens, eos, progress, "ngram")
+    if ngram_depth is not None and ngram_depth > n_draft:
+        out[f"ngram (depth {ngram_depth})"] = walk_dataset(
+            answers, lambda ids, n, _: DrafterProposals(NgramDrafter(), ids, n), ngram_depth, max_tokens, eos,
+            progress, "ngram deep")
     if bigram is not None:
         out["bigram"] = walk_dataset(answers, lambda ids, n, _: bigram.proposer(ids, n), n_draft, max_tokens,
                                      eos, progress, "bigram")
@@ -402,14 +415,15 @@ def run_offline(args) -> int:
     n_draft = (args.block_size - 1) if args.block_size else (model.block_size - 1 if model else 15)
     data_dirs = args.bigram_data or default_training_dirs()
     bigram = BigramTable(reference_sequences(data_dirs), target.vocab_size) if data_dirs else None
-    report = {"target": target.name, "drafter": str(drafter_path), "n_draft": n_draft,
+    ngram_depth = getattr(args, "spec_draft_n_max", None)  # the hybrid's n-gram depth online
+    report = {"target": target.name, "drafter": str(drafter_path), "n_draft": n_draft, "ngram_depth": ngram_depth,
               "bigram_data": [str(d) for d in data_dirs], "results": {}}
     for dataset in args.dataset.split(","):
         for temperature in args.temperature:
             directory = ensure_heldout_answers(target, dataset, temperature, args.heldout_root, args.max_tokens,
                                                args.limit, progress=not args.json)
             results = offline_eval(target, model, directory, n_draft, args.max_tokens, bigram, args.limit,
-                                   progress=not args.json)
+                                   progress=not args.json, ngram_depth=ngram_depth)
             report["results"][f"{dataset}@{temperature:g}"] = results
             if not args.json:
                 print(format_offline_table(dataset, temperature, results), "\n", flush=True)
