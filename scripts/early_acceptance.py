@@ -1,8 +1,8 @@
 """Accepted drafts per step early in an answer and later, from the offline walk.
 
 The adaptive controller decides from an answer's first steps; this shows whether those
-are typical. Walks each held-out greedy answer at full depth (as ``flashdraft eval
---offline``) and reports the mean accepted drafts per step over the first ``--early`` steps
+are typical. Walks each held-out greedy answer with the walk of ``flashdraft eval --offline``
+(full depth) and reports the mean accepted drafts per step over the first ``--early`` steps
 and over the rest.
 
     .venv/bin/python scripts/early_acceptance.py -md runs/block8/drafter-best
@@ -27,13 +27,15 @@ def main() -> int:
     from flashdraft.drafters.dflash import load_dflash_model
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
     from flashdraft.target import Target
-    from flashdraft.train.walk import DFlashProposals, load_answers, target_features
+    from flashdraft.train.evaluate import AcceptanceStats
+    from flashdraft.train.walk import DFlashProposals, load_answers, target_features, walk_answer
 
     target = Target.load(None)
     model = load_dflash_model(args.drafter or DEFAULT_DRAFTER_DIR).eval()
     head = target.lm_head.weight.detach()
     head = head if model.d2t is None else head[model.d2t].contiguous()
     emb = target.embed_tokens.weight.detach()
+    n_draft = model.block_size - 1
     print("| set | answers | accepted per step, first steps | accepted per step, later |")
     print("| --- | --- | --- | --- |")
     for spec in args.sets.split(","):
@@ -43,16 +45,18 @@ def main() -> int:
         for _, ids, n_prompt, feats in answers:
             if feats is None:
                 feats = target_features(target, ids, model.target_layer_ids)
-            table = DFlashProposals(model, emb, head, model.d2t, feats, ids, n_prompt).table
-            response = ids[n_prompt:].tolist()
-            i = step = 0
-            while i + 1 < len(response):  # walk at full depth: accept the matching prefix, jump
-                drafts = table[i].tolist()
-                a = 0
-                while a < len(drafts) and i + 1 + a < len(response) and drafts[a] == response[i + 1 + a]:
-                    a += 1
-                (early if step < args.early else late).append(a)
-                i, step = i + a + 1, step + 1
+            drafter = DFlashProposals(model, emb, head, model.d2t, feats, ids, n_prompt)
+            anchors: list[int] = []
+
+            def propose(i, room, drafter=drafter, anchors=anchors):
+                anchors.append(i)  # the walk asks once per step, at each step's anchor
+                return drafter(i, room)
+
+            # the walk of `flashdraft eval --offline` (max_tokens 256, as the held-out answers)
+            walk_answer(ids[n_prompt:].tolist(), propose, n_draft, 256, target.eos_token_ids, AcceptanceStats())
+            # a step accepted the drafts between its anchor and the next one (the last step is left out)
+            for step, (a, b) in enumerate(zip(anchors, anchors[1:])):
+                (early if step < args.early else late).append(b - a - 1)
         print(f"| {name} | {len(answers)} | {sum(early) / max(1, len(early)):.2f} | {sum(late) / max(1, len(late)):.2f} |")
     return 0
 

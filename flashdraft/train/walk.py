@@ -360,12 +360,13 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
         deep = max(n_draft, ngram_depth or n_draft)
         out["hybrid (ngram, else dflash)"] = walk_dataset(answers, hybrid, deep, max_tokens, eos, progress,
                                                           "hybrid")
-    out["ngram"] = walk_dataset(answers, lambda ids, n, _: DrafterProposals(NgramDrafter(), ids, n),
-                                n_draft, max_tokens, eos, progress, "ngram")
+    def lookup(ids, n_prompt, _):
+        return DrafterProposals(NgramDrafter(), ids, n_prompt)
+
+    out["ngram"] = walk_dataset(answers, lookup, n_draft, max_tokens, eos, progress, "ngram")
     if ngram_depth is not None and ngram_depth > n_draft:
-        out[f"ngram (depth {ngram_depth})"] = walk_dataset(
-            answers, lambda ids, n, _: DrafterProposals(NgramDrafter(), ids, n), ngram_depth, max_tokens, eos,
-            progress, "ngram deep")
+        out[f"ngram (depth {ngram_depth})"] = walk_dataset(answers, lookup, ngram_depth, max_tokens, eos,
+                                                           progress, "ngram deep")
     if bigram is not None:
         out["bigram"] = walk_dataset(answers, lambda ids, n, _: bigram.proposer(ids, n), n_draft, max_tokens,
                                      eos, progress, "bigram")
