@@ -56,7 +56,7 @@ def main() -> int:
     for name, points in series.items():
         xs, ys = zip(*sorted(points))
         ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xlabel("training CPU-hours (2-core CPU; the last run on an AVX512-bf16 one)")
+    ax.set_xlabel("training CPU-hours")
     ax.set_ylabel("τ (tokens per verify step)")
     ax.set_title(args.title, fontsize=9)
     ax.grid(alpha=0.3)
