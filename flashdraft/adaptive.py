@@ -199,23 +199,13 @@ class ProfitController:
 
     # ---- the calls of the loop ---------------------------------------------------------
 
-    def start_request(self, probe: bool = True) -> bool:
-        """A new request begins: while drafting is off, its first step probes (one step's cost).
-
-        Args:
-            probe: False only reports whether drafting is off, forcing no probe (the
-                :class:`SourcedController` forces one per request across all its sources).
-        Returns:
-            True when drafting is off (warm-up over and the standing depth 0).
-        """
+    def start_request(self) -> None:
+        """A new request begins: while drafting is off, its first step probes (one step's cost)."""
         if self.steps < self.WARMUP_STEPS:
-            return False
+            return
         self._decide()  # first, so a probe is forced only if drafting really is off
-        if self.depth != 0:
-            return False
-        if probe:
+        if self.depth == 0:
             self._since_probe = max(self._since_probe, self.probe_every * self._backoff)
-        return True
 
     def choose(self) -> int:
         """Depth to draft in the next step (0 = plain decoding). Deterministic given the state."""
@@ -327,7 +317,6 @@ class SourcedController:
         # a source that cannot draft past its own limit (a DFlash block) is controlled up to there only
         self.controllers = {s: ProfitController(max(1, min(n_max, caps.get(s, n_max))), **kw) for s in sources}
         self._last = self.controllers[sources[0]]
-        self._turn = 0  # requests that forced a probe: whose turn the next one is
 
     def pick(self, candidates: tuple[str, ...]) -> str:
         """The candidate source whose best depth gains most over plain decoding,
@@ -363,14 +352,8 @@ class SourcedController:
             c.reset()
 
     def start_request(self) -> None:
-        """A new request begins: of the sources whose drafting is off, one (in turn, request
-        by request) probes on its first step. One probe per request, not one per source: on
-        text no source can draft (random letters at T=1), every forced probe is a step lost,
-        and a request short enough to end within a few steps paid one per source."""
-        off = [s for s, c in self.controllers.items() if c.start_request(probe=False)]
-        if off:
-            self.controllers[off[self._turn % len(off)]].start_request(probe=True)
-            self._turn += 1
+        for c in self.controllers.values():
+            c.start_request()
 
     def choose(self) -> int:
         return self._last.choose()

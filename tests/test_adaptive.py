@@ -333,40 +333,6 @@ def test_sourced_controller_picks_the_source_that_gains_most():
     assert c.controllers["dflash"].depth == 0 and c.controllers["ngram"].depth > 0
 
 
-def test_sourced_controller_forces_one_probe_per_request_in_turn():
-    """With every source off, each new request forces a probe in one source only, the
-    sources taking turns; a source still drafting is never forced."""
-    from flashdraft.adaptive import SourcedController
-
-    sources = ("ngram", "dflash", "dflash-matched")
-    c = SourcedController(8, sources)
-    for s in sources:  # drive every source off
-        simulate(c.for_source(s), [0.0] * 8, affine_cost, 300, random.Random(7))
-    assert all(ctl.depth == 0 for ctl in c.controllers.values())
-    forced = []
-    for _ in range(6):
-        c.start_request()
-        due = [s for s in sources if c.controllers[s].choose() > 0]
-        assert len(due) == 1
-        forced += due
-        ctl = c.controllers[due[0]]
-        ctl.update(ctl.off_probe_depth, 0, affine_cost(ctl.off_probe_depth))  # the probe fails
-    assert forced == list(sources) * 2
-    c.controllers["ngram"].start_request()  # a probe of its own, then prompt lookup drafts well
-    simulate(c.for_source("ngram"), [1.0] * 8, affine_cost, 200, random.Random(8))
-    assert c.controllers["ngram"].depth > 0
-    forced = []
-    for _ in range(4):  # the two sources still off take turns; ngram is left alone
-        c.start_request()
-        due = [s for s in sources if c.controllers[s].depth == 0 and c.controllers[s].choose() > 0]
-        assert len(due) == 1
-        forced += due
-        ctl = c.controllers[due[0]]
-        ctl.update(ctl.off_probe_depth, 0, affine_cost(ctl.off_probe_depth))
-    assert sorted(forced) == ["dflash", "dflash", "dflash-matched", "dflash-matched"]
-    assert forced[0] != forced[1] and forced[2] != forced[3]
-
-
 def test_hybrid_copies_past_the_dflash_block():
     """Prompt lookup in the hybrid drafts up to ``ngram_depth`` tokens while DFlash drafts
     stay within its block, each source's controller is capped at its own longest draft, and
