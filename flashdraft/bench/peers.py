@@ -31,7 +31,7 @@ from flashdraft.target import Target, default_model_path, load_hf_model
 
 HF_PEERS = ("hf", "hf-lookup", "hf-dflash", "hf-draft")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
-LLAMACPP_INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
+LLAMACPP_INSTALL = "make llama: builds llama-cpp-python 0.3.36 from source, ~4 min on 2 cores"
 
 
 # ---------------------------------------------------------------- transformers
@@ -144,6 +144,8 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
         draft_model: ``--draft-model`` path for ``hf-draft``.
         dflash_path: the DFlash drafter for ``hf-dflash`` (None = none available).
     """
+    if getattr(target, "model", None) is None:
+        return Unavailable(name, "peer", "transformers runs the target's torch model: use --backend torch")
     if name == "hf":
         return HFContender(name, target, {}, speculative=False)
     if name == "hf-lookup":

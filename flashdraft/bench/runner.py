@@ -328,14 +328,14 @@ def run(args, target=None) -> int:
         contenders = build_remote(args)
         prompts = load_prompts(sets, args.limit, args.max_tokens)
     else:
-        from flashdraft.target import Target
         import transformers
 
         transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the progress bar
         if target is None:
-            from flashdraft.device import device_from_args
+            from flashdraft.cli import engine_config
+            from flashdraft.engine import load_engine_target
 
-            target = Target.load(args.model, weights=args.weights, device=device_from_args(args))
+            target = load_engine_target(engine_config(args))
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
         asked = {c for p in _split(args.peers or "") for c in PEER_GROUPS[p]}
@@ -407,6 +407,6 @@ def _title(args) -> str:
     model = args.model or "SmolLM2-135M-Instruct Q4_1 (default)"
     if args.weights != "fp32":
         model += f", {args.weights} weights"
-    if (args.cache_type_k, args.cache_type_v) != ("f32", "f32"):
-        model += f", KV cache {args.cache_type_k}/{args.cache_type_v}"
+    if args.cache_type_k or args.cache_type_v:
+        model += f", KV cache {args.cache_type_k or 'f32'}/{args.cache_type_v or 'f32'}"
     return f"flashdraft bench: {model}, {args.prompts}" if not args.url else f"flashdraft bench: {', '.join(args.url)}"

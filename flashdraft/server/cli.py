@@ -67,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra chat template variables for every request, a JSON object")
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
-    m.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
+    m.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(m)
+    from flashdraft.cli import add_backend_argument
+    add_backend_argument(m)
 
     add_cache_arguments(parser.add_argument_group("KV cache"))
 
@@ -215,7 +217,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=max(1, args.ctx_size // args.parallel), cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights, device=args.device,
-                        **cache_fields(args))
+                        backend=args.backend, n_parallel=args.parallel, **cache_fields(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -134,10 +134,52 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
                 step(row, s, logits[row:row + 1], None if feats is None else feats[row:row + 1])
 
 
+def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_new_tokens: int,
+                          params: SamplingParams, batch_size: int = 32, seed: int = 0,
+                          layer_ids: Sequence[int] | None = ()):
+    """:func:`generate_packed` on the llama backend (a :class:`~flashdraft.targets.llama.LlamaTarget`):
+    ``batch_size`` llama.cpp sequences step together, one ``llama_decode`` per step (a new
+    prompt's prefill rides in the same batch). Same yields, same per-prompt seeds; features
+    are llama.cpp's layer inputs (the last layer's output has none: ``layer_ids`` must be
+    ``< num_layers - 1``)."""
+    from flashdraft.train.features import top_logprobs
+
+    target.set_feature_layers(list(layer_ids or []) or None)
+    eos = target.eos_token_ids
+    pending = iter(prompts)
+    active: list[dict] = []
+    while True:
+        while len(active) < batch_size:  # admit new prompts: their prefill is their first input
+            nxt = next(pending, None)
+            if nxt is None:
+                break
+            pid, ids = nxt
+            active.append({"id": pid, "response": [], "cache": target.new_cache(), "input": list(ids),
+                           "gen": torch.Generator().manual_seed(prompt_seed(pid, seed)), "feats": [], "top": []})
+        if not active:
+            return
+        outs = target.forward_packed([(torch.tensor(s["input"]), s["cache"], 0) for s in active])
+        still = []
+        for s, (logits, feats) in zip(active, outs):
+            if feats is not None:
+                s["feats"].append(feats.to(torch.float16))
+            s["top"].append(top_logprobs(logits))
+            tok = choose_token(logits[-1], params, s["gen"])
+            s["response"].append(tok)
+            s["input"] = [tok]
+            if tok in eos or len(s["response"]) >= max_new_tokens:
+                ids = np.concatenate([t[0] for t in s["top"]]), np.concatenate([t[1] for t in s["top"]])
+                feats = torch.cat(s["feats"]) if s["feats"] else None
+                yield s["id"], s["response"], "eos" if tok in eos else "length", feats, ids
+            else:
+                still.append(s)
+        active = still
+
+
 def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None, model: str | None = None,
                       max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 64, top_p: float = 0.95,
                       batch_size: int = 32, weights: str = "fp32", seed: int = 0, shard_size: int = 256,
-                      layer_ids=None, progress: bool = True, device="cpu") -> dict:
+                      layer_ids=None, progress: bool = True, device="cpu", backend: str = "torch") -> dict:
     """Regenerate answers for ``prompts`` into resumable shards (format of :mod:`flashdraft.train.data`).
 
     Prompts already in ``out_dir`` are skipped, so a killed run resumes by rerunning the same
@@ -208,7 +250,11 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         _write_json_atomic(manifest_path, m)
         return m
     if target is None:
-        target = Target.load(model, weights=weights, device=device)
+        from flashdraft.engine import EngineConfig, load_engine_target
+
+        target = load_engine_target(EngineConfig(model=model, weights=weights, device=str(device), backend=backend,
+                                                 spec_type="none", n_parallel=batch_size,
+                                                 ctx_size=1024))  # per sequence: short prompts + answers
     target.set_feature_layers(None)
     params = SamplingParams() if greedy else SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     by_id = {p["id"]: p for p in todo}
@@ -218,11 +264,19 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     writer = ShardWriter(out, next_index, shard_size)
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
+    packed = generate_packed
+    if getattr(target, "backend", "torch") == "llama":
+        packed = generate_packed_llama
+        last = [i for i in layer_ids if i >= target.num_layers - 1]
+        if last:  # llama.cpp exposes layer inputs: the last layer's output has none
+            log.warning("the llama backend cannot store layer %s (the last layer's output); storing %s",
+                        last, [i for i in layer_ids if i not in last])
+            layer_ids = [i for i in layer_ids if i not in last]
     feature_writers: dict[int, FeatureWriter] = {}
     t0, new_tokens, last_manifest = time.perf_counter(), 0, time.time()
     bar = tqdm(total=len(todo), unit="answer", disable=not progress, mininterval=5.0, dynamic_ncols=True)
     try:
-        for pid, response, finish, feats, (top_ids, top_logp) in generate_packed(
+        for pid, response, finish, feats, (top_ids, top_logp) in packed(
                 target, encoded, max_new_tokens, params, batch_size, seed, layer_ids):
             writer.write({"id": pid, "prompt": by_id[pid]["prompt"], "prompt_ids": prompt_ids[pid],
                           "response_ids": response, "finish": finish})
@@ -265,6 +319,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
     ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--threads", type=int, default=1)
+    from flashdraft.cli import add_backend_argument
+
+    add_backend_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=None, help="only the first N training prompts")
     ap.add_argument("--offset", type=int, default=0, help="skip the first N training prompts")
@@ -282,7 +339,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         prompts = prompts[: args.limit]
     regenerate_packed(args.out, prompts, model=args.model, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      batch_size=args.batch_size, weights=args.weights, seed=args.seed,
+                      batch_size=args.batch_size, weights=args.weights, seed=args.seed, backend=args.backend,
                       layer_ids=() if args.no_features else None)
     return 0
 

@@ -1,0 +1,233 @@
+"""llama.cpp's C API from Python: which binding, its quirks, and a crash-safe probe.
+
+The llama backend (:mod:`flashdraft.targets.llama`) drives llama.cpp's C API through
+``llama-cpp-python``'s low-level ctypes module (``llama_cpp.llama_cpp``), built from source
+by pip (llama.cpp 0c1e570). Why this binding and not the 5 MB ``llama-cpp-py-sync`` wheel
+(which does not load on glibc < 2.38, Debian 12 included): docs/performance.md, "The llama
+backend".
+
+Quirks kept here, so nothing else knows them:
+
+- ``llama_{set,get}_embeddings_layer_inp`` (src/llama-ext.h: the input hidden states of a
+  layer, what llama.cpp's own DFlash reads) are not in the Python module and, in builds
+  where llama-ext.h has C++ linkage, exported only under mangled names: both are tried.
+- ``make setup`` builds for AVX2/FMA/F16C with ``GGML_NATIVE=OFF`` (no AVX512 or AMX code):
+  the same kernels on every x86-64 CPU since 2013, AMX Xeons included, where a native build
+  crashed in ``ggml_backend_amx_mul_mat`` (llama.cpp #20824). Extra buffer types (CPU
+  repack, AMX) are turned off at load too (``use_extra_bufts = False``), for a build made
+  with other options.
+- A crash in native code kills the process, so :func:`probe` decodes a few tokens in a
+  child process first; ``--backend auto`` uses the llama backend only when it passed.
+
+Errors: :class:`BindingUnavailableError` (a RuntimeError) names the fix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
+BINDING = "llama-cpp-python"
+BINDING_VERSION = "0.3.36"
+INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~10 min on 2 cores)"
+
+# llama-ext.h functions: C names, then the C++-linkage names some builds export
+_EXT = {
+    "set_layer_inp": (["llama_set_embeddings_layer_inp", "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"],
+                      [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
+    "get_layer_inp": (["llama_get_embeddings_layer_inp", "_Z30llama_get_embeddings_layer_inpP13llama_contextj"],
+                      [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
+}
+
+
+class BindingUnavailableError(RuntimeError):
+    """llama.cpp cannot be used from this process: the binding is missing, broken, or its
+    probe failed on this CPU. The message names the fix."""
+
+
+class Binding:
+    """The loaded C API.
+
+    Attributes:
+        api: ``llama_cpp.llama_cpp`` (typed ctypes wrappers: ``api.llama_decode`` ...).
+        set_layer_inp: ``(ctx, lid, on)``: capture the input of layer ``lid`` at every decode.
+        get_layer_inp: ``(ctx, lid) -> float *``: those inputs, ``[n_tokens, n_embd]`` of the
+            last decode; None where the build lacks them (no DFlash features then).
+        version: ``"llama-cpp-python 0.3.36"``.
+    """
+
+    def __init__(self):
+        try:
+            import llama_cpp
+            from llama_cpp import llama_cpp as api
+        except ImportError as e:
+            raise BindingUnavailableError(f"the llama backend needs {BINDING}=={BINDING_VERSION}: {INSTALL_HINT} "
+                                          f"({e})") from None
+        except (OSError, RuntimeError) as e:  # installed, but libllama.so is missing or does not load
+            raise BindingUnavailableError(f"{BINDING} is installed but its libllama cannot be loaded ({e}); "
+                                          f"rebuild it: {INSTALL_HINT}") from None
+        self.api = api
+        self.version = f"{BINDING} {getattr(llama_cpp, '__version__', '?')}"
+        self.set_layer_inp = self._ext("set_layer_inp")
+        self.get_layer_inp = self._ext("get_layer_inp")
+        api.llama_backend_init()
+        self._quiet()
+
+    def _ext(self, key: str):
+        names, argtypes, restype = _EXT[key]
+        for name in names:
+            fn = getattr(self.api._lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, restype
+                return fn
+        return None
+
+    def _quiet(self) -> None:
+        # llama.cpp logs every load to stderr; keep warnings and errors (ggml levels 3, 4),
+        # or everything with FLASHDRAFT_LLAMA_LOG=1
+        verbose = os.environ.get("FLASHDRAFT_LLAMA_LOG", "0") not in ("0", "", "false", "no")
+
+        @self.api.llama_log_callback
+        def _log(level, text, _ud):
+            if verbose or level in (3, 4):
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        self._log_cb = _log  # keep the callback alive
+        self.api.llama_log_set(_log, ctypes.c_void_p(0))
+
+    def system_info(self) -> str:
+        """llama.cpp's CPU feature line (``AVX2 = 1 | ...``)."""
+        return self.api.llama_print_system_info().decode()
+
+
+@functools.lru_cache(maxsize=1)
+def binding() -> Binding:
+    """The process's :class:`Binding` (loaded once).
+
+    Raises:
+        BindingUnavailableError: not installed or not loadable, with the fix.
+    """
+    return Binding()
+
+
+# -- crash-safe probe -----------------------------------------------------------------------
+_PROBE_CODE = """
+import sys
+from flashdraft.targets.llama import LlamaTarget
+t = LlamaTarget.load(sys.argv[1], n_ctx=64, threads=1, warn=False)
+import torch
+cache = t.new_cache()
+logits, _ = t.forward(torch.tensor(t.encode("Hello, my name is")), cache)
+ids = [int(logits[-1].argmax())]
+for _ in range(3):
+    logits, _ = t.forward(torch.tensor(ids[-1:]), cache)
+    ids.append(int(logits[-1].argmax()))
+print("ok", ids)
+"""
+
+
+def _probe_key(model: str) -> str:
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("llama_cpp")
+        lib = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libllama.so"
+        libstat = f"{lib.stat().st_size}:{lib.stat().st_mtime_ns}"
+    except Exception:
+        libstat = "?"
+    return hashlib.sha256(f"{cpu}|{libstat}|{model}".encode()).hexdigest()[:16]
+
+
+def _probe_cache_file() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashdraft"
+    return root / "llama-probe.json"
+
+
+def probe(model: str, timeout_s: float = 120.0, use_cache: bool = True) -> tuple[bool, str]:
+    """Decode a few tokens of ``model`` on the llama backend in a child process.
+
+    A CPU the build does not support (an illegal instruction) or a kernel bug (llama.cpp
+    #20824 on AMX) kills the child, not the caller. A pass is remembered per CPU, library
+    and model file (``~/.cache/flashdraft/llama-probe.json``), so a server starts without it.
+
+    Returns:
+        ``(ok, detail)``: detail is the failure (signal, exit code, last stderr line) or "ok".
+    """
+    key = _probe_key(model)
+    cache_file = _probe_cache_file()
+    if use_cache:
+        try:
+            if json.loads(cache_file.read_text()).get(key) == "ok":
+                return True, "ok (cached)"
+        except (OSError, ValueError):
+            pass
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE_CODE, model], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"the probe decode did not finish in {timeout_s:.0f} s"
+    if out.returncode == 0 and out.stdout.startswith("ok"):
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            seen = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+            seen[key] = "ok"
+            cache_file.write_text(json.dumps(seen))
+        except (OSError, ValueError):
+            pass
+        return True, "ok"
+    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+    how = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit code {out.returncode}"
+    return False, f"{how}: {tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashdraft.targets.binding [MODEL.gguf]``: the check ``make setup`` runs.
+
+    Loads the binding, prints llama.cpp's CPU features and decodes a few tokens in a child
+    process. Exit code 0 when the llama backend works here; 1 with the fix otherwise
+    (``--backend auto`` then runs the target on torch).
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flashdraft.targets.binding",
+                                description="check that the llama backend works on this machine")
+    p.add_argument("model", nargs="?", default=None, help="GGUF to decode (default: the packaged model)")
+    args = p.parse_args(argv)
+    try:
+        b = binding()
+    except BindingUnavailableError as e:
+        print(f"llama backend: unavailable: {e}\n  --backend auto will run the target on torch", file=sys.stderr)
+        return 1
+    print(f"llama backend: {b.version}; {b.system_info().strip()}")
+    if b.get_layer_inp is None:
+        print("llama backend: this build lacks llama_get_embeddings_layer_inp: DFlash drafting needs --backend torch",
+              file=sys.stderr)
+    if args.model is None:
+        from flashdraft.target import default_model_path
+
+        args.model = str(default_model_path())
+    ok, detail = probe(args.model, use_cache=False)  # records the pass for --backend auto
+    if not ok:
+        print(f"llama backend: the probe decode failed on this CPU ({detail}).\n"
+              f"  Rebuild for this machine: {INSTALL_HINT}; or run with --backend torch.\n"
+              "  --backend auto will run the target on torch.", file=sys.stderr)
+        return 1
+    print(f"llama backend: probe decode ok ({args.model})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""The target on llama.cpp's kernels (``--backend llama``): one ``llama_decode`` per step.
+
+Same seam as the torch :class:`~flashdraft.target.Target`: ``forward(token_ids, cache,
+logits_from) -> (logits [T', V], features [T, F])`` and a cache that rolls back, so the
+speculative loop, the drafters, sampling, constraints and the server do not know which
+engine runs the target.
+
+- One llama.cpp context holds every sequence (a unified KV cache); a :class:`LlamaCache`
+  is one llama.cpp sequence id, and its ``rollback(n)`` is ``llama_memory_seq_rm(seq, n, -1)``.
+- A verify step is one ``llama_decode`` over the anchor and the draft tokens with logits
+  for every row; the server's parallel slots put all their rows in the same batch, one
+  sequence id each (:meth:`LlamaTarget.forward_packed`). Prefill goes in ``n_ubatch`` chunks.
+- Logits are a NumPy view of llama.cpp's own output buffer wrapped as a torch tensor: no
+  copy, valid until the next decode on this target (the loop reads them before that).
+- Context features (the outputs of ``feature_layer_ids``) are llama.cpp's layer inputs
+  (``llama_get_embeddings_layer_inp(lid + 1)``: the input of layer i+1 is the output of
+  layer i), the tensors its own DFlash reads.
+- Embeddings and LM head for a DFlash drafter are read from the GGUF (dequantised by the
+  ``gguf`` package, as transformers does), lazily: plain decoding never loads them.
+
+Tokenizer and chat template are transformers' (read from the GGUF), as on the torch
+backend, so both backends see the same token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from flashdraft.target import ModelNotFoundError, TokenizerSide
+from flashdraft.targets.binding import binding
+
+log = logging.getLogger(__name__)
+
+#: KV cache types llama.cpp knows (``--cache-type-k/-v``) -> ggml type ids
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+#: rows per llama_decode (n_batch = n_ubatch: the batch is never split behind our back)
+DEFAULT_UBATCH = 512
+
+
+class LlamaCache:
+    """One sequence's K/V in the llama.cpp context: a sequence id and a length.
+
+    Attributes:
+        seq_id: the llama.cpp sequence id.
+        length: positions ``0..length-1`` whose K/V are stored.
+    """
+
+    def __init__(self, target: "LlamaTarget", seq_id: int):
+        self._target = weakref.ref(target)
+        self.seq_id: int | None = seq_id
+        self.length = 0
+        self.last_used = 0
+
+    def rollback(self, length: int) -> None:
+        """Drop the K/V of every position >= ``length`` (``llama_memory_seq_rm``).
+
+        Raises:
+            ValueError: ``length`` is negative or beyond what the cache holds.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds only {self.length}")
+        if self.seq_id is None:
+            raise RuntimeError("this cache was evicted (more live sequences than the context holds)")
+        if length < self.length:
+            target = self._target()
+            target._seq_rm(self.seq_id, length)
+        self.length = length
+
+    def _evict(self) -> int:
+        """Give up the sequence id (the target needs it for a new cache): length becomes 0, so a
+        prompt cache holding this reuses nothing. Returns the id, emptied."""
+        seq, self.seq_id, self.length = self.seq_id, None, 0
+        self._target()._seq_rm(seq, 0)
+        return seq
+
+    def __del__(self):
+        target = self._target()
+        if target is not None and self.seq_id is not None:
+            target._release(self.seq_id)
+
+
+class LlamaTarget(TokenizerSide):
+    """A GGUF target run by llama.cpp. See the module docstring for the design.
+
+    Args:
+        path: the ``.gguf`` file.
+        n_ctx: positions per sequence (``-c``).
+        n_seq: sequences decoded together (``-np``); the context holds ``2 * n_seq + 1``
+            sequences of ``n_ctx`` positions each (a prompt cache kept per slot fits beside
+            them); past that, the least recently used cache is evicted.
+        threads: CPU threads (``-t``).
+        cache_type_k / cache_type_v: KV cache types, keys of :data:`KV_TYPES` (``-ctk/-ctv``).
+        ubatch: rows per ``llama_decode``.
+        warn: log the startup line.
+        tokenizer: a transformers tokenizer to use instead of the GGUF's (tests' tiny models).
+    Raises:
+        BindingUnavailableError: the binding is missing or broken (names the fix).
+        ValueError: an unknown cache type, or a file llama.cpp cannot load.
+    """
+
+    backend = "llama"
+
+    def __init__(self, path: str | Path, n_ctx: int = 4096, n_seq: int = 1, threads: int = 1,
+                 cache_type_k: str = "f32", cache_type_v: str = "f32", ubatch: int = DEFAULT_UBATCH,
+                 warn: bool = True, tokenizer=None):
+        for kind in (cache_type_k, cache_type_v):
+            if kind not in KV_TYPES:
+                raise ValueError(f"--backend llama: cache type {kind!r} is not one llama.cpp knows; "
+                                 f"choose from {', '.join(KV_TYPES)}")
+        b = self._b = binding()
+        lib = b.api
+        path = Path(path)
+        if not path.is_file():
+            raise ModelNotFoundError(f"model file not found: {path}")
+        self.path, self.name = path, path.stem
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        # no CPU-repack / AMX weight buffers: one kernel path on every CPU (an AMX build crashed
+        # in ggml_backend_amx_mul_mat, llama.cpp #20824); measured no slower here (performance.md)
+        mp.use_extra_bufts = False
+        self._model = lib.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {path} (not a GGUF model it supports)")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.hidden_size = int(lib.llama_model_n_embd(self._model))
+        self.num_layers = int(lib.llama_model_n_layer(self._model))
+        # one KV stream per sequence (not llama.cpp's unified cache): a sequence's cells then stay
+        # in position order through rollbacks, and flash attention sums them in that order, so
+        # -np packing leaves every sequence's logits bit-identical to decoding it alone (with a
+        # unified cache another sequence's freed cells broke that: greedy drifted, tested)
+        self.ubatch = ubatch
+        self.threads = threads
+        self.n_ctx = n_ctx
+        self.cache_types = (cache_type_k, cache_type_v)
+        self._ctx = None
+        self._feature_layer_ids: list[int] = []
+        self._make_context(2 * n_seq + 1)  # each slot's sequence and prompt cache, one spare
+        self._batch = lib.llama_batch_init(ubatch, 0, 1)
+        # NumPy views of the batch's arrays: a step fills them without a Python loop
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(ubatch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(ubatch,))
+        self._nsq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(ubatch,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(ubatch,))
+        self._nsq[:] = 1
+        self._seq_ptrs = [self._batch.seq_id[i] for i in range(ubatch)]
+        self._live: "weakref.WeakValueDictionary[int, LlamaCache]" = weakref.WeakValueDictionary()
+        self._clock = 0  # forwards so far: a cache's last use, for eviction
+        self._lock = threading.Lock()
+        self._embed = self._head = None
+        self.device = torch.device("cpu")
+        self.lean = None
+        self.q4 = None
+        self.model = None  # no transformers model: `-md target` and training need --backend torch
+        self.weights = "gguf"
+        self._load_tokenizer(tokenizer)
+        if warn:
+            log.info("target %s on llama.cpp (%s): %d layers, hidden %d, vocab %d, %d threads, KV %s",
+                     self.name, b.version, self.num_layers, self.hidden_size, self.vocab_size, threads,
+                     "/".join(self.cache_types))
+
+    def _make_context(self, n_seq_max: int) -> None:
+        lib = self._b.api
+        cp = lib.llama_context_default_params()
+        # one KV stream per sequence (not llama.cpp's unified cache): a sequence's cells then stay
+        # in position order through rollbacks, and flash attention sums them in that order, so
+        # -np packing leaves every sequence's logits bit-identical to decoding it alone (with a
+        # unified cache another sequence's freed cells broke that: greedy drifted, tested)
+        self.n_seq_max = min(256, n_seq_max)
+        cp.kv_unified = False
+        cp.n_seq_max = self.n_seq_max
+        cp.n_ctx = self.n_ctx * self.n_seq_max  # n_ctx positions per stream
+        cp.n_batch = cp.n_ubatch = self.ubatch
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.type_k, cp.type_v = (KV_TYPES[t] for t in self.cache_types)
+        cp.no_perf = True
+        # flash attention on: it attends row by row, so a verify block's rows get the logits of
+        # one-token steps bit for bit; without it the batched K/V matmuls round otherwise and
+        # greedy drafting drifted from plain decoding (tested). On an f32 cache it is 2.2x
+        # slower per step than on f16 (28 vs 13 ms here), hence f16 by default (engine.py)
+        cp.flash_attn_type = 1
+        ctx = lib.llama_init_from_model(self._model, cp)
+        if not ctx:
+            raise ValueError(f"llama.cpp could not create a context for {self.path} ({self.n_seq_max} sequences of "
+                             f"{self.n_ctx} positions, cache types {'/'.join(self.cache_types)})")
+        if self._ctx is not None:
+            lib.llama_free(self._ctx)
+        self._ctx = ctx
+        self._mem = lib.llama_get_memory(ctx)
+        self._free_seqs = list(range(self.n_seq_max))
+        self._to_release = []
+        if self._feature_layer_ids:
+            for i in self._feature_layer_ids:
+                self._b.set_layer_inp(ctx, i + 1, True)
+
+    def ensure_sequences(self, n: int) -> None:
+        """Make room for ``n`` live sequences (the server's slots: a sequence and a prompt
+        cache each). A larger context replaces the current one, and every cache made before
+        is evicted (empty): call it before serving, as :func:`flashdraft.batch.make_slots` does."""
+        if n <= self.n_seq_max:
+            return
+        with self._lock:
+            for cache in list(self._live.values()):
+                cache.seq_id, cache.length = None, 0
+            self._live.clear()
+            self._make_context(n)
+
+    @classmethod
+    def load(cls, path: str | Path, **kw) -> "LlamaTarget":
+        """:class:`LlamaTarget` (the constructor's arguments)."""
+        return cls(path, **kw)
+
+    def close(self) -> None:
+        """Free the llama.cpp context and model (also at garbage collection)."""
+        lib = self._b.api
+        if getattr(self, "_ctx", None) is not None:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+            lib.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- tokenizer, chat template, metadata (transformers', read from the GGUF) --------------
+    def _load_tokenizer(self, tokenizer=None) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        src, name = str(self.path.parent), self.path.name
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(src, gguf_file=name)
+        try:
+            self.config = AutoConfig.from_pretrained(src, gguf_file=name)
+        except Exception:  # an architecture transformers cannot describe: what /props needs
+            self.config = SimpleNamespace(max_position_embeddings=None, eos_token_id=None)
+        ids = set()
+        for src_ids in (getattr(self.config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src_ids, int):
+                ids.add(src_ids)
+            elif isinstance(src_ids, (list, tuple)):
+                ids.update(int(i) for i in src_ids)
+        self.eos_token_ids = ids
+
+    @property
+    def fast(self) -> bool:
+        return False
+
+    # -- drafter's embeddings and LM head (from the GGUF, on first use) -----------------------
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        """The target's token embeddings ``[V, H]`` as a frozen torch module (for a DFlash drafter)."""
+        if self._embed is None:
+            self._read_head()
+        return self._embed
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        """The target's LM head ``[V, H]`` (the embeddings when tied) as a frozen torch module."""
+        if self._head is None:
+            self._read_head()
+        return self._head
+
+    def _read_head(self) -> None:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        reader = GGUFReader(str(self.path))
+        tensors = {t.name: t for t in reader.tensors}
+
+        def weight(name: str) -> torch.Tensor:
+            t = tensors[name]
+            w = dequantize(t.data, t.tensor_type).reshape(self.vocab_size, self.hidden_size)
+            return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+        emb = weight("token_embd.weight")
+        self._embed = torch.nn.Embedding.from_pretrained(emb, freeze=True)
+        head = weight("output.weight") if "output.weight" in tensors else emb
+        self._head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self._head.weight = torch.nn.Parameter(head, requires_grad=False)
+        # Gemma-style models scale the embeddings inside the graph; a drafter trained on the
+        # torch path reads the same module, so nothing else changes here
+
+    # -- context features ---------------------------------------------------------------------
+    def set_feature_layers(self, layer_ids: list[int] | None) -> None:
+        """Capture the outputs of these decoder layers (0-based) in :meth:`forward`.
+
+        Raises:
+            ValueError: a layer id outside ``[0, num_layers - 1)`` (llama.cpp exposes layer
+                inputs, so the last layer's output has none), or a binding without the
+                llama-ext functions.
+        """
+        layer_ids = list(layer_ids or [])
+        b = self._b
+        if layer_ids and (b.set_layer_inp is None or b.get_layer_inp is None):
+            raise ValueError(f"{b.version} does not export llama_set/get_embeddings_layer_inp: DFlash features "
+                             "need them; use --backend torch")
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers - 1:
+                raise ValueError(f"target layer id {i} out of range for the llama backend on a "
+                                 f"{self.num_layers}-layer target (0..{self.num_layers - 2})")
+        for i in self._feature_layer_ids:
+            if i not in layer_ids:
+                b.set_layer_inp(self._ctx, i + 1, False)
+        for i in layer_ids:
+            b.set_layer_inp(self._ctx, i + 1, True)
+        self._feature_layer_ids = layer_ids
+
+    @property
+    def feature_size(self) -> int:
+        return len(self._feature_layer_ids) * self.hidden_size
+
+    # -- sequences ------------------------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None, fast: bool | None = None, kv=None) -> LlamaCache:
+        """An empty sequence in the shared context.
+
+        Args:
+            capacity / fast: ignored (llama.cpp's context is sized at load).
+            kv: a :class:`~flashdraft.kv_cache.KVCacheSpec`: the types this context was made
+                with (``-ctk/-ctv`` set them at load), no sink/tail tokens.
+        Raises:
+            ValueError: other cache types, or sink/tail tokens (the torch backend's codecs).
+            RuntimeError: every sequence id is in use.
+        """
+        if kv is not None and ((kv.type_k, kv.type_v) != self.cache_types or kv.sink_tokens or kv.tail_tokens):
+            raise ValueError(f"--backend llama: this context holds {'/'.join(self.cache_types)} K/V, not "
+                             f"{kv.label()}; sink/tail tokens and turbo/q3 types are the torch backend's")
+        self._drain()
+        if not self._free_seqs:  # evict the least recently used cache (an idle prompt cache)
+            victim = min(self._live.values(), key=lambda c: c.last_used)
+            self._free_seqs.append(victim._evict())
+        seq = self._free_seqs.pop(0)
+        self._b.api.llama_memory_seq_rm(self._mem, seq, 0, -1)
+        cache = LlamaCache(self, seq)
+        cache.last_used = self._clock
+        self._live[seq] = cache
+        return cache
+
+    def _seq_rm(self, seq: int, start: int) -> None:
+        if not self._b.api.llama_memory_seq_rm(self._mem, seq, start, -1):
+            raise RuntimeError(f"llama.cpp refused to remove positions >= {start} of sequence {seq}")
+
+    def _release(self, seq: int) -> None:
+        # called from __del__ (any thread): freed on the owner's next call
+        self._to_release.append(seq)
+
+    def _drain(self) -> None:
+        while self._to_release:
+            seq = self._to_release.pop()
+            if self._ctx is not None:
+                self._b.api.llama_memory_seq_rm(self._mem, seq, 0, -1)
+            self._free_seqs.append(seq)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, token_ids: torch.Tensor, cache: LlamaCache,
+                logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target over ``token_ids`` appended at position ``cache.length``.
+
+        Args:
+            token_ids: ``[T]`` ids.
+            cache: the sequence (:meth:`new_cache`); grows by T positions.
+            logits_from: logits only for rows ``>= logits_from`` (prefill: the last row).
+        Returns:
+            ``(logits [T - logits_from, V] float32, features [T, len(layer_ids)*H] or None)``.
+            The logits may be a view of llama.cpp's buffer: valid until the next forward.
+        Raises:
+            RuntimeError: llama_decode failed (no room left in the context, or an error).
+        """
+        return self.forward_packed([(token_ids, cache, logits_from)])[0]
+
+    def forward_packed(self, items: list[tuple[torch.Tensor, LlamaCache, int]]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`forward` for several sequences in one ``llama_decode`` (the server's slots).
+
+        Items whose rows together exceed ``ubatch`` run in several decodes (a long prefill in
+        ``ubatch``-row chunks). Returns per item ``(logits [T_i - logits_from_i, V], features
+        [T_i, F] or None)``.
+        """
+        with self._lock:
+            self._drain()
+            groups, group, rows = [], [], 0  # consecutive items in decodes of <= ubatch rows
+            for i, (t, c, lf) in enumerate(items):
+                T = int(t.shape[0])
+                if group and rows + T > self.ubatch:
+                    groups.append(group)
+                    group, rows = [], 0
+                group.append(i)
+                rows += T
+            groups.append(group)
+            out: list = [None] * len(items)
+            for g, members in enumerate(groups):
+                last = g == len(groups) - 1  # earlier decodes' logits views are overwritten: copy them
+                if len(members) == 1 and int(items[members[0]][0].shape[0]) > self.ubatch:
+                    t, c, lf = items[members[0]]
+                    lg, ft = self._forward_long(t.tolist(), c, lf)
+                    out[members[0]] = (lg if last else lg.clone(), ft)
+                    continue
+                for i, (lg, ft) in zip(members, self._decode([(items[i][0].tolist(), items[i][1], items[i][2])
+                                                               for i in members])):
+                    out[i] = (lg if last else lg.clone(), ft)
+            return out
+
+    def _forward_long(self, ids: list[int], cache: LlamaCache, logits_from: int):
+        # one sequence, chunked; logits are copied unless they all come from the last chunk
+        logits, feats = [], []
+        chunks = list(range(0, len(ids), self.ubatch))
+        for k, start in enumerate(chunks):
+            part = ids[start:start + self.ubatch]
+            lf = min(max(logits_from - start, 0), len(part))
+            last = k == len(chunks) - 1
+            (lg, ft), = self._decode([(part, cache, lf)])
+            if lg.shape[0]:
+                logits.append(lg if last else lg.clone())
+            if ft is not None:
+                feats.append(ft)
+        lg = logits[0] if len(logits) == 1 else torch.cat(logits)
+        return lg, (torch.cat(feats) if feats else None)
+
+    def _decode(self, items: list[tuple[list[int], LlamaCache, int]]):
+        b, lib = self._b, self._b.api
+        n = 0
+        for ids, cache, lf in items:
+            T = len(ids)
+            self._tok[n:n + T] = ids
+            self._pos[n:n + T] = np.arange(cache.length, cache.length + T, dtype=np.int32)
+            self._out[n:n + T] = 0
+            self._out[n + lf:n + T] = 1
+            for i in range(n, n + T):
+                self._seq_ptrs[i][0] = cache.seq_id
+            n += T
+        self._batch.n_tokens = n
+        self._clock += 1
+        rc = lib.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # positions of a failed batch are not kept (llama.cpp rolls the ubatch back)
+            raise RuntimeError(f"llama_decode failed with code {rc}"
+                               + (" (no room left in the context: raise -c, or fewer parallel slots)" if rc == 1 else ""))
+        n_out = int(self._out[:n].sum())
+        V = self.vocab_size
+        all_logits = None
+        if n_out:
+            buf = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(n_out, V))
+            all_logits = torch.from_numpy(buf)  # a view of llama.cpp's buffer, no copy
+        feats = None
+        if self._feature_layer_ids:
+            H = self.hidden_size
+            feats = torch.cat([torch.from_numpy(np.ctypeslib.as_array(b.get_layer_inp(self._ctx, i + 1), shape=(n, H)))
+                               for i in self._feature_layer_ids], dim=-1)  # [n, F]: a copy (the buffer is reused)
+        out, row, o = [], 0, 0
+        for ids, cache, lf in items:
+            T = len(ids)
+            k = T - lf
+            lg = all_logits[o:o + k] if k else torch.empty(0, V)
+            out.append((lg, None if feats is None else feats[row:row + T]))
+            cache.length += T
+            cache.last_used = self._clock
+            row += T
+            o += k
+        return out
+
+    @property
+    def n_ctx_train(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)

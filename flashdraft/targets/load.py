@@ -1,0 +1,110 @@
+"""``--backend auto|torch|llama``: which engine runs the target, and why, in one log line.
+
+- ``torch``: :class:`flashdraft.target.Target` (the reference; GPUs; the trainer's forward;
+  ``--weights``, compressed KV caches, ``-md target``).
+- ``llama``: :class:`flashdraft.targets.llama.LlamaTarget` on llama.cpp's kernels (GGUF
+  files on the CPU).
+- ``auto`` (default): ``llama`` for a GGUF target on the CPU when nothing asked for a
+  torch-only feature and llama.cpp passed its probe decode on this machine
+  (:func:`flashdraft.targets.binding.probe`), else ``torch``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "llama")
+
+
+@dataclass
+class BackendChoice:
+    """The resolved backend and the reason, for the startup log."""
+
+    backend: str
+    why: str
+
+    def line(self) -> str:
+        return f"target backend: {self.backend} ({self.why})"
+
+
+def torch_only_reason(model: str | None, weights: str | None, device: torch.device, kv=None,
+                      draft_model: str | None = None) -> str | None:
+    """Why the llama backend cannot run these settings, or None when it can."""
+    from flashdraft.targets.llama import KV_TYPES
+
+    path = None if model is None else Path(model)
+    if path is not None and path.suffix != ".gguf":
+        return f"{model} is not a GGUF file"
+    if device.type != "cpu":
+        return f"device {device} (the llama backend runs on the CPU)"
+    if weights not in (None, "fp32"):
+        return f"--weights {weights} is a torch-backend option"
+    if kv is not None and (kv.type_k not in KV_TYPES or kv.type_v not in KV_TYPES or kv.sink_tokens
+                           or kv.tail_tokens):
+        return f"KV cache {kv.label()} is the torch backend's own codec"
+    if draft_model == "target":
+        return "-md target drafts with the target's torch model"
+    if draft_model is not None and draft_model.startswith("random"):
+        return "-md random builds its drafter from the target's torch config"
+    return None
+
+
+def choose_backend(backend: str, model: str | None, weights: str | None, device: torch.device,
+                   kv=None, draft_model: str | None = None) -> BackendChoice:
+    """Resolve ``--backend``.
+
+    Raises:
+        ValueError: an unknown backend, or ``llama`` with settings it cannot run.
+        BindingUnavailableError: ``llama`` asked for explicitly and the binding is missing.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown --backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return BackendChoice("torch", "asked for")
+    reason = torch_only_reason(model, weights, device, kv, draft_model)
+    if backend == "llama":
+        if reason is not None:
+            raise ValueError(f"--backend llama cannot run this: {reason}; use --backend torch")
+        from flashdraft.targets.binding import binding
+        binding()  # BindingUnavailableError with the fix
+        return BackendChoice("llama", "asked for")
+    if reason is not None:
+        return BackendChoice("torch", reason)
+    from flashdraft.targets.binding import BindingUnavailableError, binding, probe
+
+    try:
+        b = binding()
+    except BindingUnavailableError as e:
+        return BackendChoice("torch", f"llama.cpp unavailable: {e}")
+    from flashdraft.target import default_model_path
+
+    ok, detail = probe(str(default_model_path() if model is None else model))
+    if not ok:
+        return BackendChoice("torch", f"llama.cpp's probe decode failed on this CPU ({detail}); "
+                                      "see docs/performance.md, 'The llama backend'")
+    return BackendChoice("llama", f"GGUF target on the CPU, {b.version}")
+
+
+def load_target(model: str | None, choice: BackendChoice, weights: str | None = None,
+                device: torch.device | str = "cpu", n_ctx: int = 4096, n_seq: int = 1, kv=None):
+    """Load the target on the chosen backend (threads: torch's current setting, ``-t``).
+
+    Returns:
+        a :class:`~flashdraft.target.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
+    """
+    if choice.backend == "llama":
+        from flashdraft.target import default_model_path
+        from flashdraft.targets.llama import LlamaTarget
+
+        path = default_model_path() if model is None else model
+        types = {} if kv is None else dict(cache_type_k=kv.type_k, cache_type_v=kv.type_v)
+        return LlamaTarget.load(path, n_ctx=n_ctx, n_seq=n_seq, threads=torch.get_num_threads(), **types)
+    from flashdraft.target import Target
+
+    return Target.load(model, weights=weights, device=device)

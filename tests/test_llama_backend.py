@@ -1,0 +1,305 @@
+"""The llama backend (`--backend llama`): parity with torch, rollback, losslessness, errors.
+
+Skipped with the reason when llama-cpp-python is not installed, except where
+``FLASHDRAFT_REQUIRE_LLAMA=1`` (CI sets it): there a missing or broken build fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+from tiny import byte_tokenizer, tiny_model
+from tiny_gguf import write_tiny_gguf
+
+from flashdraft.targets import binding as binding_mod
+from flashdraft.targets.binding import BindingUnavailableError
+
+
+def _need_binding():
+    try:
+        binding_mod.binding()
+    except BindingUnavailableError as e:
+        if os.environ.get("FLASHDRAFT_REQUIRE_LLAMA") == "1":
+            raise
+        pytest.skip(f"llama backend unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    _need_binding()
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_gguf):
+    """The same random model on both backends (the GGUF holds its F32 weights)."""
+    from flashdraft.target import Target
+    from flashdraft.targets.llama import LlamaTarget
+
+    llama = LlamaTarget(tiny_gguf, n_ctx=256, n_seq=4, tokenizer=byte_tokenizer())
+    ref = Target(tiny_model("llama", 0), byte_tokenizer(), name="tiny-llama")
+    return llama, ref
+
+
+def test_tiny_gguf_logits_and_features_match_torch(tiny_pair):
+    """Same weights, two engines: logits within 1e-2 (of logits up to ~5), the same argmax,
+    and the layer outputs (llama.cpp's inputs of the next layer) within 1e-3."""
+    llama, ref = tiny_pair
+    ids = torch.tensor(llama.encode("the quick brown fox jumps over the lazy dog"))
+    for t in (llama, ref):
+        t.set_feature_layers([0, 2])
+    l1, f1 = llama.forward(ids, llama.new_cache())
+    l1 = l1.clone()  # a view of llama.cpp's buffer: the next forward overwrites it
+    l2, f2 = ref.forward(ids, ref.new_cache())
+    assert l1.shape == l2.shape == (len(ids), llama.vocab_size)
+    assert f1.shape == f2.shape == (len(ids), 2 * llama.hidden_size)
+    assert (l1 - l2).abs().max() < 1e-2 and l2.abs().max() > 1.0
+    assert torch.equal(l1.argmax(-1), l2.argmax(-1))
+    assert (f1 - f2).abs().max() < 1e-3
+    # the prefill asks only for the last row's logits; the features still cover every row
+    l3, f3 = llama.forward(ids, llama.new_cache(), logits_from=len(ids) - 1)
+    # (F32 weights take another matmul kernel for one row than for a batch: ~1e-5 apart)
+    assert l3.shape[0] == 1 and torch.allclose(l3[0], l1[-1], atol=1e-4) and torch.equal(f3, f1)
+    llama.set_feature_layers(None)
+
+
+def test_rollback_equals_a_fresh_prefill(tiny_pair):
+    """After a rejected block the sequence is a fresh prefill of the accepted tokens: the next
+    step's logits agree (to 1e-4 on this F32-weight model, whose one-row and batched matmul
+    kernels round differently; bit-identical on the real Q4_1 model, tested below)."""
+    llama, _ = tiny_pair
+    prompt = llama.encode("hello world this is")
+    block = llama.encode("abcdefgh")
+    cache = llama.new_cache()
+    llama.forward(torch.tensor(prompt), cache)
+    llama.forward(torch.tensor(block), cache)  # verify 8 rows ...
+    cache.rollback(len(prompt) + 3)  # ... keep the anchor and 2 accepted drafts
+    after, _ = llama.forward(torch.tensor(llama.encode("z")), cache)
+    after = after.clone()
+    fresh = llama.new_cache()
+    llama.forward(torch.tensor(prompt + block[:3]), fresh)
+    expect, _ = llama.forward(torch.tensor(llama.encode("z")), fresh)
+    assert torch.allclose(after, expect, atol=1e-4)
+    assert cache.length == fresh.length == len(prompt) + 4
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache.rollback(cache.length + 1)
+
+
+def test_packed_sequences_equal_their_own_forwards(tiny_pair):
+    """`-np` slots: several sequences in one llama_decode give each the logits it gets alone."""
+    llama, _ = tiny_pair
+    a, b = llama.encode("one two three"), llama.encode("four five")
+    ca, cb = llama.new_cache(), llama.new_cache()
+    (la, _), (lb, _) = llama.forward_packed([(torch.tensor(a), ca, 0), (torch.tensor(b), cb, 0)])
+    la, lb = la.clone(), lb.clone()
+    ra, _ = llama.forward(torch.tensor(a), llama.new_cache())
+    ra = ra.clone()
+    rb, _ = llama.forward(torch.tensor(b), llama.new_cache())
+    assert torch.allclose(la, ra, atol=1e-4) and torch.allclose(lb, rb, atol=1e-4)
+
+
+def test_long_prefill_runs_in_ubatch_chunks(tiny_gguf):
+    from flashdraft.targets.llama import LlamaTarget
+
+    small = LlamaTarget(tiny_gguf, n_ctx=256, ubatch=16, tokenizer=byte_tokenizer())
+    big = LlamaTarget(tiny_gguf, n_ctx=256, tokenizer=byte_tokenizer())
+    ids = torch.tensor(small.encode("abcdefghij" * 5))  # 50 tokens: 4 chunks of <= 16
+    for t in (small, big):
+        t.set_feature_layers([1])
+    l1, f1 = small.forward(ids, small.new_cache())
+    l2, f2 = big.forward(ids, big.new_cache())
+    assert l1.shape == l2.shape and f1.shape == f2.shape == (50, small.hidden_size)
+    assert torch.allclose(l1, l2, atol=1e-4) and torch.allclose(f1, f2, atol=1e-5)
+
+
+def test_sampling_on_the_llama_backend_keeps_the_target_distribution(tiny_pair):
+    """T = 1: the first token (the prefill's) follows the llama target's softmax
+    (chi-square), and the later ones, accepted or rejected by speculative sampling over
+    prompt-lookup drafts, have the distribution plain decoding gives them (two-sample
+    chi-square, 400 runs per mode)."""
+    from scipy.stats import chi2_contingency, chisquare
+
+    from flashdraft.drafters.base import NoDrafter
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+
+    llama, _ = tiny_pair
+    # every token but <eos> occurs in the prompt: prompt lookup has a continuation to draft
+    prompt = llama.encode("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ab")
+    logits, _ = llama.forward(torch.tensor(prompt), llama.new_cache(), logits_from=len(prompt) - 1)
+    p = torch.softmax(logits[-1].clone(), -1)
+    keep = p * 400 >= 5
+    first, later, drafted = {}, {}, 0
+    for name, drafter in (("none", NoDrafter()), ("ngram", NgramDrafter(3, 1))):
+        gen = SpeculativeGenerator(llama, drafter, ctx_size=128, n_draft=4)
+        first[name], later[name] = torch.zeros_like(p), torch.zeros(2, llama.vocab_size)
+        for seed in range(400):
+            _, ids, _, t = generate_text(gen, prompt, 3, SamplingParams(temperature=1.0, seed=seed), ignore_eos=True)
+            first[name][ids[0]] += 1
+            later[name][0, ids[1]] += 1
+            later[name][1, ids[2]] += 1
+            drafted += t.draft_n
+        observed = torch.cat([first[name][keep], first[name][~keep].sum()[None]])
+        expected = torch.cat([p[keep], p[~keep].sum()[None]]) * 400
+        assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3, name
+    assert drafted > 360  # nearly every ngram run drafted its second token (verified by rejection sampling)
+    for k in range(2):
+        table = torch.stack([later["none"][k], later["ngram"][k]])
+        table = table[:, table.sum(0) >= 10]
+        assert chi2_contingency(table.numpy()).pvalue > 1e-3, k
+
+
+def test_missing_binding_names_the_fix(monkeypatch):
+    binding_mod.binding.cache_clear()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as when not installed
+    try:
+        with pytest.raises(BindingUnavailableError, match="make llama"):
+            binding_mod.binding()
+        from flashdraft.targets.load import choose_backend
+
+        with pytest.raises(BindingUnavailableError, match="llama-cpp-python"):
+            choose_backend("llama", None, None, torch.device("cpu"))
+        choice = choose_backend("auto", None, None, torch.device("cpu"))
+        assert choice.backend == "torch" and "llama.cpp unavailable" in choice.why
+    finally:
+        binding_mod.binding.cache_clear()
+
+
+def test_a_probe_that_crashes_leaves_auto_on_torch(monkeypatch, tmp_path, caplog):
+    """A build that dies on this CPU (illegal instruction, llama.cpp #20824's segfault) kills
+    the probe's child process only; auto then runs the target on torch and says why."""
+    _need_binding()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(binding_mod, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    ok, detail = binding_mod.probe("/nonexistent.gguf")
+    assert not ok and "signal 11" in detail
+    from flashdraft.targets.load import choose_backend
+
+    choice = choose_backend("auto", None, None, torch.device("cpu"))
+    assert choice.backend == "torch" and "probe decode failed" in choice.why and "signal 11" in choice.why
+
+
+def test_backend_choice_rules():
+    from flashdraft.kv_cache import KVCacheSpec
+    from flashdraft.targets.load import choose_backend, torch_only_reason
+
+    cpu = torch.device("cpu")
+    assert torch_only_reason("model_dir", None, cpu) == "model_dir is not a GGUF file"
+    assert "--weights q4" in torch_only_reason(None, "q4", cpu)
+    assert "turbo3" in torch_only_reason(None, None, cpu, kv=KVCacheSpec("f32", "turbo3"))
+    assert torch_only_reason(None, None, cpu, kv=KVCacheSpec("q8_0", "q8_0")) is None
+    assert choose_backend("torch", None, None, cpu).backend == "torch"
+    with pytest.raises(ValueError, match="--backend llama cannot run this"):
+        choose_backend("llama", None, "bf16", cpu)
+    with pytest.raises(ValueError, match="unknown --backend"):
+        choose_backend("vulkan", None, None, cpu)
+
+
+def test_backend_flag_on_every_command():
+    from flashdraft.cli import add_model_arguments
+    from flashdraft.server.cli import build_parser
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
+    assert p.parse_args([]).backend == "auto" and p.parse_args(["--backend", "torch"]).backend == "torch"
+    assert build_parser().parse_args(["--backend", "llama"]).backend == "llama"
+    from flashdraft.train.regen import build_arg_parser as regen_parser
+
+    assert regen_parser().parse_args(["--out", "x", "--backend", "llama"]).backend == "llama"
+
+
+def test_engine_logs_the_backend_and_why(tiny_gguf, caplog):
+    from flashdraft.engine import EngineConfig, load_engine_target
+
+    caplog.set_level(logging.INFO, logger="flashdraft")
+    with pytest.raises(ValueError, match="cannot run this: .*not a GGUF"):
+        load_engine_target(EngineConfig(model=str(tiny_gguf.parent), backend="llama"))
+    t = load_engine_target(EngineConfig(spec_type="none", backend="torch"))
+    assert t.__class__.__name__ == "Target"
+    assert "target backend: torch (asked for)" in caplog.text
+
+
+# ---------------------------------------------------------------- the real model (SmolLM2 Q4_1)
+@pytest.fixture(scope="module")
+def real_llama():
+    _need_binding()
+    from flashdraft.target import default_model_path
+    from flashdraft.targets.llama import LlamaTarget
+
+    return LlamaTarget(default_model_path(), n_ctx=1024, n_seq=4)
+
+
+REAL_PROMPTS = ["Write a Python class for a stack with push, pop and peek, and explain each method.",
+                "Tell me a short story about a lighthouse keeper and a storm."]
+
+
+@pytest.mark.real
+def test_real_model_verify_rows_equal_one_token_steps(real_llama):
+    """ggml's batched matmuls on the Q4_1/Q8_0 GGUF give a 16-row verify the same logits and
+    features, bit for bit, as 16 one-token steps: the precondition of lossless drafting."""
+    t = real_llama
+    t.set_feature_layers([1, 14, 27])
+    ids = t.chat_prompt_ids([{"role": "user", "content": REAL_PROMPTS[0]}])
+    block = ids[3:19]
+    cache = t.new_cache()
+    t.forward(torch.tensor(ids), cache, len(ids) - 1)
+    start = cache.length
+    lb, fb = t.forward(torch.tensor(block), cache)
+    lb = lb.clone()
+    cache.rollback(start)
+    rows_l, rows_f = [], []
+    for x in block:
+        l, f = t.forward(torch.tensor([x]), cache)
+        rows_l.append(l.clone())
+        rows_f.append(f)
+    assert torch.equal(lb, torch.cat(rows_l)) and torch.equal(fb, torch.cat(rows_f))
+    t.set_feature_layers(None)
+
+
+@pytest.mark.real
+def test_real_model_every_drafter_is_greedy_identical(real_llama):
+    """7 configurations x 512 tokens (2 prompts x 256) on the llama backend: dflash, ngram,
+    hybrid and an autoregressive draft model one request at a time, and dflash, ngram,
+    hybrid with 4 sequences in one batch (the server's -np 4), all token-identical to the
+    backend's own plain decoding."""
+    from flashdraft import batch
+    from flashdraft.engine import EngineConfig, load_drafter
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+    from flashdraft.target import default_model_path
+
+    t = real_llama
+    prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    plain = SpeculativeGenerator(t, ctx_size=1024)
+    base = [generate_text(plain, ids, 256, SamplingParams())[1] for ids in prompts]
+    assert all(len(b) > 100 for b in base)
+    configs = [("dflash", None), ("ngram", None), ("hybrid", None), ("draft", str(default_model_path()))]
+    for spec, md in configs:
+        gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type=spec, draft_model=md), t),
+                                   ctx_size=1024, n_draft=3 if spec == "draft" else 7)
+        drafted = 0
+        for ids, want in zip(prompts, base):
+            _, got, _, timings = generate_text(gen, ids, 256, SamplingParams())
+            assert got == want, spec
+            drafted += timings.draft_n
+        assert drafted > 0, spec
+    # -np 4: four sequences (both prompts twice) stepped together, one llama_decode per step
+    for spec in ("dflash", "ngram", "hybrid"):
+        gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type=spec), t), ctx_size=1024, n_draft=7)
+        slots = batch.make_slots(gen, 4)
+        for i, slot in enumerate(slots):
+            batch.start(gen, slot, prompts[i % 2], 256, SamplingParams())
+        out = [[] for _ in slots]
+        while any(s.seq is not None and not s.seq.done for s in slots):
+            live = [s for s in slots if s.seq is not None and not s.seq.done]
+            for s, step in zip(live, batch.step_together(t, [s.seq for s in live])):
+                assert not isinstance(step, Exception), step
+                out[s.index].extend(step.token_ids)
+        for i in range(4):
+            assert out[i] == base[i % 2], (spec, i)
