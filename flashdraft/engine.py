@@ -267,6 +267,14 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
         sources = getattr(drafter, "SOURCES", ())  # a mixed-source drafter: one controller per source
         controller = make_controller(cfg.controller, n_max, sources, getattr(drafter, "source_max_draft", None))
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
+    if hasattr(target, "set_step_threads"):  # llama: plain decoding steps on every thread, drafting on one
+        target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)
+    if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
+        drift = target.verify_drift()
+        if drift:
+            log.warning("on this model llama.cpp's batched verify rows differ from one-token steps (logits up to "
+                        "%.3g apart): greedy output with drafting may differ from plain decoding; --backend torch "
+                        "keeps it exact (docs/performance.md, 'The llama backend')", drift)
     gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,
                                kv=kv)
     if warmup:

@@ -132,7 +132,7 @@ class PromptCache:
                 break
             n += 1
         # a cache can hold less than its tokens say: the llama backend evicts idle ones
-        return min(n, len(prompt_ids) - 1, self.cache.length)
+        return min(n, len(prompt_ids) - 1, getattr(self.cache, "length", n))
 
 
 def common_prefix(cached: PromptCache | None, prompt_ids: list[int]) -> int:

@@ -260,6 +260,17 @@ def test_real_model_verify_rows_equal_one_token_steps(real_llama):
         rows_f.append(f)
     assert torch.equal(lb, torch.cat(rows_l)) and torch.equal(fb, torch.cat(rows_f))
     t.set_feature_layers(None)
+    # a long prefill (100 rows: ggml's tiled attention starts at 64 query rows, so it runs in
+    # chunks under that) leaves the cache a prompt-cache reuse would get from steps: the next
+    # logits equal those after stepping the same tokens one by one
+    text = t.encode("Explain how a hash map resolves collisions, with an example in Python. " * 8)[:100]
+    a, b = t.new_cache(), t.new_cache()
+    t.forward(torch.tensor(text), a, 99)
+    t.forward(torch.tensor(text[:1]), b)
+    for x in text[1:]:
+        t.forward(torch.tensor([x]), b)
+    la = t.forward(torch.tensor([text[0]]), a)[0].clone()
+    assert torch.equal(la, t.forward(torch.tensor([text[0]]), b)[0])
 
 
 @pytest.mark.real

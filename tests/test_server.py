@@ -628,8 +628,14 @@ def test_completion_probabilities_are_the_same_with_and_without_drafting(server,
     assert a["timings"]["draft_n"] > 0 and b["timings"]["draft_n"] > 0
     pa, pb = a["completion_probabilities"], b["completion_probabilities"]
     assert len(pa) == len(pb) == 10
+    # `-md random` runs on the torch backend; the ngram server on llama where it is installed:
+    # the same tokens, and log-probabilities as close as the two engines' kernels allow
+    backends = {httpx.get(server.url + "/props", timeout=30).json()["backend"],
+                httpx.get(auth_server.url + "/props", timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()["backend"]}
+    tol = 1e-3 if len(backends) == 1 else 2e-2
     for x, y in zip(pa, pb):
-        assert x["id"] == y["id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-3)
+        assert x["id"] == y["id"] and x["logprob"] == pytest.approx(y["logprob"], abs=tol)
         assert [t["id"] for t in x["top_logprobs"]] == [t["id"] for t in y["top_logprobs"]]
     oai = post(server, "/v1/completions", {"prompt": COUNTING, "max_tokens": 4, "temperature": 0, "logprobs": 2}).json()
     lp = oai["choices"][0]["logprobs"]

@@ -226,6 +226,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "speculative": {"type": settings.spec_type, "drafter": g.drafter.name, "n_max": g.n_draft,
                             "drafting": g.drafting},
             "build_info": f"flashdraft {flashdraft.__version__}",
+            "backend": getattr(g.target, "backend", "torch"),  # the engine running the target
         })
 
     @app.get("/slots")

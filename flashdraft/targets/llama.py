@@ -40,8 +40,12 @@ log = logging.getLogger(__name__)
 
 #: KV cache types llama.cpp knows (``--cache-type-k/-v``) -> ggml type ids
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-#: rows per llama_decode (n_batch = n_ubatch: the batch is never split behind our back)
-DEFAULT_UBATCH = 512
+#: rows per llama_decode (n_batch = n_ubatch: the batch is never split behind our back). Below
+#: ggml's GGML_FA_TILE_Q (64): from 64 query rows on, ggml's CPU flash attention takes a tiled
+#: kernel that rounds otherwise, and a prefill of 64+ rows gave logits up to 1.2 away from the
+#: same tokens stepped one by one (measured): the prompt cache and greedy drafting would then
+#: drift from plain decoding. Under 64 rows every row is computed as a one-token step is.
+DEFAULT_UBATCH = 48
 
 
 class LlamaCache:
@@ -138,6 +142,7 @@ class LlamaTarget(TokenizerSide):
         # unified cache another sequence's freed cells broke that: greedy drifted, tested)
         self.ubatch = ubatch
         self.threads = threads
+        self._step_threads = 1
         self.n_ctx = n_ctx
         self.cache_types = (cache_type_k, cache_type_v)
         self._ctx = None
@@ -178,7 +183,12 @@ class LlamaTarget(TokenizerSide):
         cp.n_seq_max = self.n_seq_max
         cp.n_ctx = self.n_ctx * self.n_seq_max  # n_ctx positions per stream
         cp.n_batch = cp.n_ubatch = self.ubatch
-        cp.n_threads = cp.n_threads_batch = self.threads
+        # one-token steps on one thread: with more, ggml splits a single row's attention over the
+        # KV cache across threads (contexts of 512+), which rounds otherwise than the row-wise
+        # attention of a verify block; batches (verify, prefill, -np packs) use every thread.
+        # set_step_threads() lifts it where nothing is verified (plain decoding)
+        cp.n_threads = self._step_threads
+        cp.n_threads_batch = self.threads
         cp.type_k, cp.type_v = (KV_TYPES[t] for t in self.cache_types)
         cp.no_perf = True
         # flash attention on: it attends row by row, so a verify block's rows get the logits of
@@ -199,6 +209,12 @@ class LlamaTarget(TokenizerSide):
         if self._feature_layer_ids:
             for i in self._feature_layer_ids:
                 self._b.set_layer_inp(ctx, i + 1, True)
+
+    def set_step_threads(self, n: int) -> None:
+        """Threads for one-token steps (default 1, see :meth:`_make_context`); the engine gives
+        plain decoding ``-t``'s count, where no verify block must match a step bit for bit."""
+        self._step_threads = max(1, n)
+        self._b.api.llama_set_n_threads(self._ctx, self._step_threads, self.threads)
 
     def ensure_sequences(self, n: int) -> None:
         """Make room for ``n`` live sequences (the server's slots: a sequence and a prompt
@@ -317,6 +333,26 @@ class LlamaTarget(TokenizerSide):
     @property
     def feature_size(self) -> int:
         return len(self._feature_layer_ids) * self.hidden_size
+
+    def verify_drift(self, k: int = 8) -> float:
+        """Max |logit| difference between a k-row verify and k one-token steps over the same
+        tokens (0.0: bit-identical, so greedy drafting reproduces plain decoding exactly).
+
+        Measured once per target on a fixed text (2k + 4 forwards, a fraction of a second).
+        Bit-identical here on SmolLM2's Q4_1 GGUF with flash attention; not on Gemma 3's
+        Q4_K_M (up to 2.6, docs/performance.md), where drafting may then change greedy output.
+        """
+        if getattr(self, "_drift", None) is None:
+            ids = self.encode("The quick brown fox jumps over the lazy dog. " * 3)
+            ids = (ids * (1 + (k + 9) // max(len(ids), 1)))[: k + 8]
+            prompt, block = ids[:8], ids[8:8 + k]
+            a, b = self.new_cache(), self.new_cache()
+            self.forward(torch.tensor(prompt), a, len(prompt) - 1)
+            self.forward(torch.tensor(prompt), b, len(prompt) - 1)
+            rows = self.forward(torch.tensor(block), a)[0].clone()
+            steps = torch.cat([self.forward(torch.tensor([x]), b)[0].clone() for x in block])
+            self._drift = float((rows - steps).abs().max())
+        return self._drift
 
     # -- sequences ------------------------------------------------------------------------------
     def new_cache(self, capacity: int | None = None, fast: bool | None = None, kv=None) -> LlamaCache:

@@ -272,6 +272,8 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
         cols = store.columns(layer_ids) if layer_ids else None
     except (FileNotFoundError, ValueError):
         store, cols = None, None
+    if getattr(target, "backend", "torch") == "llama":
+        store = None  # stored features are the torch forward's: walk on this backend's own
     out = []
     for sid, ids, n_prompt in seqs:
         feats = None
@@ -402,7 +404,6 @@ def run_offline(args) -> int:
 
     from flashdraft.drafters.dflash import load_dflash_model
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import Target
 
     # the walk's bookkeeping (answer tables, bigram counts) is host code, not yet audited for
     # another device: it runs on the CPU, and says so rather than ignoring --device
@@ -410,7 +411,10 @@ def run_offline(args) -> int:
         raise ValueError(f"eval --offline runs on the CPU only (got --device {args.device}); "
                          "the online `flashdraft eval` runs on any device")
     log.info("eval --offline: walking on the CPU")
-    target = Target.load(args.model, weights=args.weights)
+    from flashdraft.engine import EngineConfig, load_engine_target
+
+    target = load_engine_target(EngineConfig(model=args.model, weights=args.weights, spec_type="none",
+                                             backend=getattr(args, "backend", "auto"), device="cpu"))
     drafter_path = getattr(args, "spec_draft_model", None) or (None if args.model else DEFAULT_DRAFTER_DIR)
     model = load_dflash_model(drafter_path) if drafter_path else None
     n_draft = (args.block_size - 1) if args.block_size else (model.block_size - 1 if model else 15)
