@@ -314,3 +314,21 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
                 out[s.index].extend(step.token_ids)
         for i in range(4):
             assert out[i] == base[i % 2], (spec, i)
+
+
+def test_a_drafter_for_another_target_is_refused():
+    """The shipped SmolLM2 drafter on a target of another shape (Gemma 3 270M's: hidden 640,
+    vocabulary 262,144, 18 layers) is refused before anything runs, naming the mismatch."""
+    from types import SimpleNamespace
+
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, check_drafter_fits
+
+    config = {"hidden_size": 576, "vocab_size": 49152, "num_target_layers": 30}
+    gemma = SimpleNamespace(name="gemma3-270m", hidden_size=640, vocab_size=262144, num_layers=18)
+    with pytest.raises(ValueError, match="trained for another target: its hidden_size is 576.*640"):
+        check_drafter_fits(config, gemma, str(DEFAULT_DRAFTER_DIR))
+    same_width = SimpleNamespace(name="x", hidden_size=576, vocab_size=32000, num_layers=30)
+    with pytest.raises(ValueError, match="vocab_size is 49152"):
+        check_drafter_fits(config, same_width, "d")
+    check_drafter_fits({**config, "vocab_size": 0}, SimpleNamespace(name="s", hidden_size=576, vocab_size=49152,
+                                                                    num_layers=30), "d")  # 0 = the target's

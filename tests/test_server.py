@@ -633,7 +633,7 @@ def test_completion_probabilities_are_the_same_with_and_without_drafting(server,
     backends = {httpx.get(server.url + "/props", timeout=30).json()["backend"],
                 httpx.get(auth_server.url + "/props", timeout=30,
                           headers={"Authorization": f"Bearer {API_KEY}"}).json()["backend"]}
-    tol = 1e-3 if len(backends) == 1 else 2e-2
+    tol = 1e-3 if len(backends) == 1 else 5e-2  # ggml quantises activations to 8 bits in its matmuls
     for x, y in zip(pa, pb):
         assert x["id"] == y["id"] and x["logprob"] == pytest.approx(y["logprob"], abs=tol)
         assert [t["id"] for t in x["top_logprobs"]] == [t["id"] for t in y["top_logprobs"]]
