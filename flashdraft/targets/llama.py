@@ -464,6 +464,9 @@ class LlamaTarget(TokenizerSide):
         b, lib = self._b, self._b.api
         n = 0
         for ids, cache, lf in items:
+            if cache.seq_id is None:
+                raise RuntimeError("a cache of this target was evicted: more live sequences than the context "
+                                   f"holds ({self.n_seq_max}); call ensure_sequences() first")
             T = len(ids)
             self._tok[n:n + T] = ids
             self._pos[n:n + T] = np.arange(cache.length, cache.length + T, dtype=np.int32)

@@ -144,6 +144,7 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
     ``< num_layers - 1``)."""
     from flashdraft.train.features import top_logprobs
 
+    target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
     target.set_feature_layers(list(layer_ids or []) or None)
     eos = target.eos_token_ids
     pending = iter(prompts)
