@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
     p.add_argument("--peers", default=None, metavar="llama,hf",
                    help="add peer engines on the same target to --configs: llama = llamacpp + llamacpp-lookup "
-                        "(llama-cpp-python; `make llama-peer` installs it), hf = transformers generate() and its "
+                        "(llama-cpp-python; `make setup` builds it, `make llama` alone), hf = transformers generate() and its "
                         "assisted modes; same threads and prompts")
     p.add_argument("--prompts", default="seed",
                    help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, "

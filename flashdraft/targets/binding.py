@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 #: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
 BINDING = "llama-cpp-python"
 BINDING_VERSION = "0.3.36"
-INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~10 min on 2 cores)"
+INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~4 min on 2 cores)"
 
 # llama-ext.h functions: C names, then the C++-linkage names some builds export
 _EXT = {
