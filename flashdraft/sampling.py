@@ -80,6 +80,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
+        fast = _filtered_top_k(scores, params)
+        if fast is not None:
+            return fast
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -93,6 +96,27 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _filtered_top_k(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """:func:`filtered_probs` after temperature when top-k applies: top-p and min-p work on
+    the k survivors (already sorted by ``topk``) instead of sorting the whole vocabulary.
+    On a 49k vocabulary with top-k 64: 0.49 instead of 2.35 ms for one row, 1.9 instead of
+    23.8 ms for an 8-row verify (docs/performance.md §10). The same distribution (the other
+    tokens have probability 0 either way; probabilities within 1e-7 of the full path); None
+    when a tie at the k-th score would keep more than k tokens, which the full path handles."""
+    vals, idx = torch.topk(scores, params.top_k, dim=-1)  # [N, k], descending
+    kth = vals[..., -1:]
+    if bool(((scores == kth).sum(-1) != (vals == kth).sum(-1)).any()):
+        return None
+    probs = torch.softmax(vals, dim=-1)
+    if params.top_p < 1.0:
+        # keep a token if the mass strictly before it is below top_p (always keeps the first)
+        probs = probs.masked_fill((probs.cumsum(-1) - probs) >= params.top_p, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs[..., :1], 0.0)
+    out = torch.zeros_like(scores)
+    return out.scatter_(-1, idx, probs / probs.sum(dim=-1, keepdim=True))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

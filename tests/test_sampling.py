@@ -103,3 +103,24 @@ def test_speculative_sampling_matches_target_distribution(kind):
     for pos in range(3):
         pval = _chi2_pvalue([r[1][pos] for r in runs], exact[pos])
         assert pval > 1e-3, f"position {pos + 1}: p-value {pval:.2g}"
+
+
+def test_top_k_fast_path_gives_the_full_paths_distribution(monkeypatch):
+    """With top-k, top-p and min-p work on the k survivors only: the same support and the same
+    probabilities (to float rounding) as filtering the whole vocabulary; a tie at the k-th
+    score (more than k survivors) takes the full path."""
+    import flashdraft.sampling as S
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5000) * 3
+    logits[5, :10] = 50.0  # ten tokens tied at the top: top-k 4 keeps all ten
+    for p in (SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.3, top_k=64, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=4, top_p=0.5, min_p=0.1)):
+        fast = S.filtered_probs(logits, p)
+        monkeypatch.setattr(S, "_filtered_top_k", lambda scores, params: None)
+        full = S.filtered_probs(logits, p)
+        monkeypatch.undo()
+        # rows 0-4 (no ties; in row 5 which of ten equal tokens a top-p cut drops is arbitrary on both paths)
+        assert torch.equal(fast[:5] > 0, full[:5] > 0) and torch.allclose(fast[:5], full[:5], atol=1e-6), p
+    assert S._filtered_top_k(logits[5:] / 1.0, SamplingParams(temperature=1.0, top_k=4)) is None
+    assert (S.filtered_probs(logits[5:], SamplingParams(temperature=1.0, top_k=4)) > 0).sum() == 10
