@@ -24,6 +24,7 @@ backend, so both backends see the same token ids.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import weakref
@@ -250,14 +251,15 @@ class LlamaTarget(TokenizerSide):
 
     # -- tokenizer, chat template, metadata (transformers', read from the GGUF) --------------
     def _load_tokenizer(self, tokenizer=None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         src, name = str(self.path.parent), self.path.name
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(src, gguf_file=name)
-        try:
-            self.config = AutoConfig.from_pretrained(src, gguf_file=name)
-        except Exception:  # an architecture transformers cannot describe: what /props needs
-            self.config = SimpleNamespace(max_position_embeddings=None, eos_token_id=None)
+        # what callers read of a config, from llama.cpp (transformers' GGUF config parse took 3 s)
+        api = self._b.api
+        eos = int(api.llama_vocab_eos(self._vocab))
+        self.config = SimpleNamespace(max_position_embeddings=int(api.llama_model_n_ctx_train(self._model)),
+                                      eos_token_id=eos if eos >= 0 else None, model_type=self._arch())
         ids = set()
         for src_ids in (getattr(self.config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(src_ids, int):
@@ -265,6 +267,11 @@ class LlamaTarget(TokenizerSide):
             elif isinstance(src_ids, (list, tuple)):
                 ids.update(int(i) for i in src_ids)
         self.eos_token_ids = ids
+
+    def _arch(self) -> str | None:
+        buf = ctypes.create_string_buffer(64)
+        n = self._b.api.llama_model_meta_val_str(self._model, b"general.architecture", buf, 64)
+        return buf.value.decode() if n > 0 else None
 
     @property
     def fast(self) -> bool:
