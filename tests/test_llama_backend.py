@@ -332,3 +332,25 @@ def test_a_drafter_for_another_target_is_refused():
         check_drafter_fits(config, same_width, "d")
     check_drafter_fits({**config, "vocab_size": 0}, SimpleNamespace(name="s", hidden_size=576, vocab_size=49152,
                                                                     num_layers=30), "d")  # 0 = the target's
+
+
+def test_packed_regeneration_on_llama_equals_plain_decoding(tiny_pair):
+    """`regen --backend llama`: 5 prompts through 2 rows (new prefills join running rows)
+    give each prompt the greedy answer plain decoding gives it alone, with one feature row
+    and one top-k row per position whose next token is known."""
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+    from flashdraft.train.regen import generate_packed_llama
+
+    llama, _ = tiny_pair
+    prompts = [(f"p{i}", llama.encode(text)) for i, text in enumerate(["abc", "hello world", "xyz xyz", "q", "t1 t2"])]
+    out = {pid: (resp, finish, feats, top) for pid, resp, finish, feats, top in
+           generate_packed_llama(llama, prompts, 6, SamplingParams(), batch_size=2, layer_ids=[1])}
+    plain = SpeculativeGenerator(llama, ctx_size=64)
+    for pid, ids in prompts:
+        resp, finish, feats, top = out[pid]
+        _, want, _, _ = generate_text(plain, ids, 6, SamplingParams(), ignore_eos=False)
+        assert resp[:len(want)] == want and finish in ("eos", "length"), pid
+        rows = len(ids) + len(resp) - 1
+        assert feats.shape == (rows, llama.hidden_size) and top[0].shape[0] == rows, pid
+    llama.set_feature_layers(None)

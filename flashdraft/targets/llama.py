@@ -163,7 +163,6 @@ class LlamaTarget(TokenizerSide):
         self._embed = self._head = None
         self.device = torch.device("cpu")
         self.lean = None
-        self.q4 = None
         self.model = None  # no transformers model: `-md target` and training need --backend torch
         self.weights = "gguf"
         self._load_tokenizer(tokenizer)
@@ -511,7 +510,3 @@ class LlamaTarget(TokenizerSide):
             row += T
             o += k
         return out
-
-    @property
-    def n_ctx_train(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)

@@ -116,9 +116,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
     while any(s is not None for s in slots):
         for row, s in enumerate(slots):
             while s is not None and "finish" in s:  # an answer ended: hand it out, refill the row
-                ids = np.concatenate([t[0] for t in s["top"]]), np.concatenate([t[1] for t in s["top"]])
-                feats = torch.cat(s["feats"]) if s["feats"] else None
-                yield s["id"], s["response"], s["finish"], feats, ids
+                yield _answer(s, s["finish"])
                 start(row)
                 s = slots[row]
         if all(s is None for s in slots):
@@ -132,6 +130,12 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
         for row, s in enumerate(slots):
             if s is not None:
                 step(row, s, logits[row:row + 1], None if feats is None else feats[row:row + 1])
+
+
+def _answer(s: dict, finish: str) -> tuple:
+    """What :func:`generate_packed` yields for a finished row state ``s``."""
+    top = np.concatenate([t[0] for t in s["top"]]), np.concatenate([t[1] for t in s["top"]])
+    return s["id"], s["response"], finish, torch.cat(s["feats"]) if s["feats"] else None, top
 
 
 def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_new_tokens: int,
@@ -169,9 +173,7 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
             s["response"].append(tok)
             s["input"] = [tok]
             if tok in eos or len(s["response"]) >= max_new_tokens:
-                ids = np.concatenate([t[0] for t in s["top"]]), np.concatenate([t[1] for t in s["top"]])
-                feats = torch.cat(s["feats"]) if s["feats"] else None
-                yield s["id"], s["response"], "eos" if tok in eos else "length", feats, ids
+                yield _answer(s, "eos" if tok in eos else "length")
             else:
                 still.append(s)
         active = still
