@@ -346,7 +346,7 @@ class LlamaTarget(TokenizerSide):
 
         Measured once per target on a fixed text (2k + 4 forwards, a fraction of a second).
         Bit-identical here on SmolLM2's Q4_1 GGUF with flash attention; not on Gemma 3's
-        Q4_K_M (up to 2.6, docs/performance.md), where drafting may then change greedy output.
+        Q4_K_M (1.63, docs/performance.md §10), where drafting may then change greedy output.
         """
         if getattr(self, "_drift", None) is None:
             ids = self.encode("The quick brown fox jumps over the lazy dog. " * 3)
