@@ -584,19 +584,23 @@ def test_drafting_only_when_asked():
 def test_n_predict_is_the_default_for_requests_without_a_limit_not_a_cap():
     from types import SimpleNamespace
 
-    from flashdraft.server.schemas import SamplingFields
+    from flashdraft.server.jobs import make_job
+    from flashdraft.server.request import GenRequest
     from flashdraft.server.state import ServerSettings, ServerState
 
     state = ServerState(ServerSettings(n_predict=5))
     state.generator = SimpleNamespace(ctx_size=100, check_prompt=lambda n: None)
-    req = SamplingFields()
-    assert state.make_job([1, 2, 3], None, req).max_tokens == 5
-    assert state.make_job([1, 2, 3], -1, req).max_tokens == 5
-    assert state.make_job([1, 2, 3], 20, req).max_tokens == 20  # the request wins
-    assert state.make_job([1] * 90, 20, req).max_tokens == 10  # never past the context
+
+    def limit(st, prompt, max_tokens):
+        return make_job(st, prompt, GenRequest(api="completion", prompts=[""], max_tokens=max_tokens)).max_tokens
+
+    assert limit(state, [1, 2, 3], None) == 5
+    assert limit(state, [1, 2, 3], -1) == 5
+    assert limit(state, [1, 2, 3], 20) == 20  # the request wins
+    assert limit(state, [1] * 90, 20) == 10  # never past the context
     unlimited = ServerState(ServerSettings(n_predict=-1))
     unlimited.generator = state.generator
-    assert unlimited.make_job([1, 2, 3], None, req).max_tokens == 97
+    assert limit(unlimited, [1, 2, 3], None) == 97
 
 
 # -- logprobs, logit_bias, fields the engine does not implement ------------------------------

@@ -2,8 +2,9 @@
 
 Routes (llama-server compatible):
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /completion``
-  (see :mod:`flashdraft.server.completions`)
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /completion``,
+  ``POST /v1/messages`` (Anthropic), ``POST /v1/responses`` (OpenAI Responses): see
+  :mod:`flashdraft.server.pipeline`
 - ``GET /``: the chat page (``static/``); ``GET /static/<file>``: its script and style
 - ``GET /health`` (503 while loading or stopping, 200 ``{"status": "ok"}``), ``GET /v1/models``
   (also ``/models``), ``GET /props``, ``POST /tokenize``, ``POST /detokenize``,
@@ -38,9 +39,12 @@ from pydantic.json_schema import models_json_schema
 
 import flashdraft
 from flashdraft.generate import SpeculativeGenerator
-from flashdraft.server import completions, webui
+from flashdraft.server import pipeline, webui
 from flashdraft.server.errors import APIError, install_error_handlers
 from flashdraft.server.metrics import CONTENT_TYPE
+from flashdraft.server.parse_anthropic import MessagesRequest
+from flashdraft.server.parse_responses import ResponsesRequest
+from flashdraft.server.render_anthropic import error_body as anthropic_error_body
 from flashdraft.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        LlamaCompletionRequest, TokenizeRequest, parse_request)
 from flashdraft.server.state import ServerSettings, ServerState
@@ -69,6 +73,8 @@ REQUEST_MODELS = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/completion": LlamaCompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -96,6 +102,8 @@ class APIKeyMiddleware:
         err = APIError(401, "Invalid API key: send 'Authorization: Bearer <key>' (the --api-key value)",
                        type="authentication_error", code="invalid_api_key")
         response = err.response()
+        if path.startswith(pipeline.ANTHROPIC_PATHS):  # the anthropic SDK reads its own error shape
+            response = JSONResponse(anthropic_error_body(err), status_code=401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
@@ -144,7 +152,7 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     if settings.webui:
         webui.register(app)
     _add_info_routes(app, state)
-    completions.register(app, state)
+    pipeline.register(app, state)
     _document_request_bodies(app)
     return app
 
@@ -245,7 +253,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request) -> Response:
         """``{"content", "add_special", "with_pieces"}`` -> ``{"tokens": [...]}``."""
         state.require_ready()
-        req = parse_request(await completions.read_body(request, settings.limits.body_bytes), TokenizeRequest)
+        req = parse_request(await pipeline.read_body(request, settings.limits.body_bytes), TokenizeRequest)
         ids = state.prompts.encode(req.content, add_special=req.add_special)
         if req.with_pieces:  # a piece that is not whole UTF-8 is sent as its bytes, as llama-server does
             return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece_or_bytes(i)} for i in ids]})
@@ -256,7 +264,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         """``{"tokens": [...]}`` -> ``{"content": str}`` (special tokens kept, so
         ``/tokenize`` then ``/detokenize`` gives the text back)."""
         state.require_ready()
-        req = parse_request(await completions.read_body(request, settings.limits.body_bytes), DetokenizeRequest)
+        req = parse_request(await pipeline.read_body(request, settings.limits.body_bytes), DetokenizeRequest)
         ids = state.prompts.check_ids(req.tokens)
         return JSONResponse({"content": state.prompts.decode(ids, skip_special=False)})
 

@@ -85,52 +85,38 @@ def over(name: str, limit: int, got: int, param: str | None, status: int = 400) 
 
 
 def check_request(req, limits: Limits) -> None:
-    """Refuse a parsed generation request over any limit but the body's, prompt's and queue's.
+    """Refuse a parsed generation request (:class:`~flashdraft.server.request.GenRequest`)
+    over any limit but the body's, prompt's and queue's.
 
     Raises:
         APIError: 400 ``limit_exceeded`` naming the field (``param``) and the flag.
     """
-    from flashdraft.server.schemas import bias_entries, split_prompts
-
-    for name in ("n_probs", "top_logprobs", "logprobs"):
-        value = getattr(req, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limits.n_probs:
-            raise over("n_probs", limits.n_probs, value, name)
-    stops = req.stop_list()
-    if len(stops) > limits.stop_strings:
-        raise over("stop_strings", limits.stop_strings, len(stops), "stop")
-    for s in stops:
+    if req.n_probs > limits.n_probs:
+        raise over("n_probs", limits.n_probs, req.n_probs, req.n_probs_param)
+    if len(req.stop) > limits.stop_strings:
+        raise over("stop_strings", limits.stop_strings, len(req.stop), "stop")
+    for s in req.stop:
         if len(s) > limits.stop_length:
             raise over("stop_length", limits.stop_length, len(s), "stop")
-    if (n := len(bias_entries(req.logit_bias))) > limits.logit_bias:
-        raise over("logit_bias", limits.logit_bias, n, "logit_bias")
-    tools = getattr(req, "tools", None)
-    if tools and len(tools) > limits.tools:
-        raise over("tools", limits.tools, len(tools), "tools")
+    if len(req.logit_bias) > limits.logit_bias:
+        raise over("logit_bias", limits.logit_bias, len(req.logit_bias), "logit_bias")
+    if req.tools.offered > limits.tools:
+        raise over("tools", limits.tools, req.tools.offered, req.tools.param)
     for param, size in _grammar_sizes(req):
         if size > limits.grammar_chars:
             raise over("grammar_chars", limits.grammar_chars, size, param)
-    if hasattr(req, "prompt") and (n := len(split_prompts(req.prompt))) > limits.batch_prompts:
-        raise over("batch_prompts", limits.batch_prompts, n, "prompt")
+    if req.prompts is not None and len(req.prompts) > limits.batch_prompts:
+        raise over("batch_prompts", limits.batch_prompts, len(req.prompts), "prompt")
 
 
 def _grammar_sizes(req) -> list[tuple[str, int]]:
-    """``(param, characters)`` of each grammar-like field the request carries."""
+    """``(param, characters)`` of the request's grammar or schema and of each tool's parameters."""
     out = []
-    if req.grammar is not None:
-        out.append(("grammar", len(req.grammar)))
-    if req.json_schema is not None:
-        out.append(("json_schema", len(json.dumps(req.json_schema))))
-    fmt = req.response_format
-    if isinstance(fmt, dict):
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else fmt.get("schema")
-        if isinstance(schema, dict):
-            out.append(("response_format", len(json.dumps(schema))))
-    for i, tool in enumerate(getattr(req, "tools", None) or []):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("parameters"), dict):
-            out.append((f"tools.{i}.function.parameters", len(json.dumps(fn["parameters"]))))
+    if req.constraint is not None and req.constraint[1] is not None:
+        source = req.constraint[1]
+        out.append((req.constraint_param, len(source) if isinstance(source, str) else len(json.dumps(source))))
+    for i, tool in enumerate(req.tools.active):
+        out.append((f"{req.tools.param}.{i}", len(json.dumps(tool["parameters"]))))
     return out
 
 

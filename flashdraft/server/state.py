@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
-from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
-from flashdraft.sampling import SamplingParams
-from flashdraft.server.errors import APIError, bad_request
+from flashdraft.generate import SpeculativeGenerator
+from flashdraft.server.errors import APIError
 from flashdraft.server.limits import Limits, over
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.prompting import PromptBuilder
 from flashdraft.server.scheduler import GenerationJob, Scheduler, ServerShuttingDown, Ticket
-from flashdraft.server.schemas import SamplingFields, bias_entries
 
 log = logging.getLogger(__name__)
-
-#: smaller positive temperatures are run as greedy (see :meth:`ServerState.sampling`)
-MIN_TEMPERATURE = 1e-6
-#: smaller top_p values are raised to this: still only the top token (any vocabulary < 10^6)
-MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -222,122 +215,3 @@ class ServerState:
         model ignores the field, and tools written for it send names of their own (the seed
         guide's script sends ``"local-gemma"``). ``/v1/models`` still names the alias."""
         return self.model_id
-
-    def constraint(self, req: SamplingFields, spec: tuple[str, object] | None = None):
-        """The request's grammar constraint (``grammar``, ``json_schema``, ``response_format``,
-        or ``spec`` when given), compiled, or None.
-
-        Raises:
-            APIError: 400 naming the problem for a schema or grammar that does not compile.
-        """
-        from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
-
-        own = req.constraint_spec()
-        if spec is not None and own is not None:
-            raise bad_request("tools cannot be combined with response_format, json_schema or grammar", param="tools")
-        spec = spec or own
-        if spec is None:
-            return None
-        param = {"gbnf": "grammar"}.get(spec[0], "json_schema" if req.json_schema is not None else "response_format")
-        try:
-            grammar = compile_grammar(*spec)
-        except GrammarError as e:
-            raise bad_request(f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
-        try:
-            info = TokenizerInfo.for_target(self.generator.target)
-        except Exception as e:  # noqa: BLE001 - llguidance cannot read this tokenizer (e.g. word-level)
-            raise bad_request(f"{param}: grammar constraints are not available for this model's tokenizer ({e})",
-                              param=param, code="grammar_unsupported") from None
-        try:
-            return Constraint(info, grammar)
-        except GrammarError as e:
-            raise bad_request(f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
-
-    def logit_bias(self, req: SamplingFields) -> dict[int, float] | None:
-        """``logit_bias`` as ``{token_id: bias}``: a text key biases each of its tokens.
-        Raises APIError 400 for an id outside the vocabulary."""
-        entries = bias_entries(req.logit_bias)
-        if not entries:
-            return None
-        out: dict[int, float] = {}
-        for key, bias in entries:
-            ids = self.prompts.encode(key) if isinstance(key, str) else self.prompts.check_ids([key], "logit_bias")
-            for token in ids:
-                out[token] = bias
-        return out
-
-    def make_job(self, prompt_ids: list[int], max_tokens: int | None, req: SamplingFields,
-                 limit_param: str = "max_tokens", prompt_param: str = "prompt",
-                 constraint_spec: tuple[str, object] | None = None, choice: int = 0) -> GenerationJob:
-        """Validate a tokenised request against the context and sampling rules.
-
-        Args:
-            max_tokens: the request's limit (None or -1 = none).
-            limit_param / prompt_param: request field names used in error messages.
-            choice: the choice's index (``n``): choice k of a seeded request samples with
-                ``seed + k``, so the choices differ and each is reproducible.
-        Raises:
-            APIError: 400 for a prompt too long for the context (message with both
-                numbers, code ``context_length_exceeded``), a limit over the context size,
-                or sampling settings the engine refuses.
-        """
-        gen = self.generator
-        try:
-            gen.check_prompt(len(prompt_ids))
-        except ContextOverflowError as e:
-            raise APIError(400, str(e), type="exceed_context_size_error", param=prompt_param,
-                           code="context_length_exceeded",
-                           extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.ctx_size}) from None
-        except ValueError as e:
-            raise bad_request(str(e), param=prompt_param) from None
-        cap = self.settings.limits.prompt_tokens
-        if cap and len(prompt_ids) > cap:
-            raise over("prompt_tokens", cap, len(prompt_ids), prompt_param)
-        if max_tokens is not None and max_tokens > gen.ctx_size:
-            raise bad_request(f"{limit_param}={max_tokens} is larger than the context size ({gen.ctx_size} tokens); "
-                              f"use at most {gen.ctx_size - len(prompt_ids)} for this prompt", param=limit_param)
-        # the request's limit wins; -n/--n-predict is only the default for requests that give
-        # none (llama-server); "none" still ends at the context end (the loop stops there)
-        room = gen.ctx_size - len(prompt_ids)
-        if max_tokens is None or max_tokens < 0:
-            max_tokens = self.settings.n_predict
-        limit = min(max_tokens, room) if max_tokens is not None and max_tokens > 0 else room
-        s = self.settings
-        n_probs = req.logprob_count() if hasattr(req, "logprob_count") else 0
-        constraint = self.constraint(req, constraint_spec)
-        params = self.sampling(req)
-        if choice and params.seed is not None:
-            params = replace(params, seed=(params.seed + choice) % 2**64)
-        return GenerationJob(prompt_ids, limit, params, req.stop_list(),
-                             s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
-                             cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
-                             logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint,
-                             post_sampling_probs=req.post_sampling_probs)
-
-    def sampling(self, req: SamplingFields) -> SamplingParams:
-        """Request sampling fields over the server defaults. Raises APIError 400.
-
-        Two float32 edges, found by the fuzz test (each was a 500 before): a temperature in
-        (0, :data:`MIN_TEMPERATURE`) runs as greedy (its limit; ``logits / 1e-300``
-        overflows to inf and the distribution turns NaN), and a top_p below
-        :data:`MIN_TOP_P` is raised to it (the same single top token; a top_p that rounds to
-        0 in float32 would drop every token).
-        """
-        s = self.settings
-        seed = req.seed if req.seed is not None else s.seed
-        temperature = float(s.temperature if req.temperature is None else req.temperature)
-        if 0.0 < temperature < MIN_TEMPERATURE:
-            temperature = 0.0
-        top_p = float(s.top_p if req.top_p is None else req.top_p)
-        if 0.0 < top_p < MIN_TOP_P:
-            top_p = MIN_TOP_P
-        try:
-            return SamplingParams(
-                temperature=temperature,
-                top_k=s.top_k if req.top_k is None else req.top_k,
-                top_p=top_p,
-                min_p=float(s.min_p if req.min_p is None else req.min_p),
-                seed=None if seed is None or seed < 0 else seed,
-            )
-        except ValueError as e:
-            raise bad_request(str(e)) from None

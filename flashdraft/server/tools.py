@@ -117,3 +117,32 @@ def history_message(role: str, content: str, tool_calls: list | None) -> dict:
             calls.append({"name": fn.get("name", ""), "arguments": args})
         return {"role": role, "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
     return {"role": role, "content": content}
+
+
+class CallSniffer:
+    """Decides, while an answer streams, whether it is a tool call: an answer that opens with
+    ``{`` is one (the grammar allows no other text to start so) and is held back whole, to be
+    sent parsed at the end; any other answer streams as it comes.
+
+    Args:
+        tools: whether the request offered tools (without, every answer is text).
+    """
+
+    def __init__(self, tools: bool):
+        self.held = ""  # text not yet sent while it may be a call
+        self.calling = False
+        self.decided = not tools  # whether the answer's first visible character has been seen
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` to send as text now ("" while held back or calling)."""
+        if self.decided and not self.calling:
+            return text
+        self.held += text
+        if self.calling or not self.held.strip():
+            return ""
+        self.decided = True
+        self.calling = self.held.lstrip().startswith("{")
+        if self.calling:
+            return ""
+        text, self.held = self.held, ""
+        return text

@@ -1,0 +1,223 @@
+"""Parser of Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
+
+The Messages body becomes the same internal chat request as an OpenAI chat body:
+
+- ``system`` (text or text blocks) -> a system message first;
+- ``text`` blocks -> the message's text; an assistant's ``tool_use`` blocks -> its tool
+  calls; a user's ``tool_result`` blocks -> ``tool`` messages answering those calls, before
+  the user's own text (``is_error`` results are marked ``Error:``);
+- ``thinking`` / ``redacted_thinking`` blocks of earlier answers are dropped (chat templates
+  do not render them); ``thinking.type`` sets the template's ``enable_thinking``;
+- ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
+  (``auto`` / ``any`` / ``tool`` / ``none``, ``disable_parallel_tool_use``) -> the same
+  constrained tool calls as OpenAI's (lossless with every drafter);
+- ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stream``.
+
+As llama-server, ``max_tokens`` may be left out (the server's ``-n``) and an empty
+``messages`` list is answered. Images, documents and server tools are refused with a 400.
+
+Source: Anthropic, "Messages" API reference (docs.anthropic.com/en/api/messages).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import Field
+
+from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.request import GenRequest, Sampling, Tools
+from flashdraft.server.schemas import ChatMessage, _Strict, parse_request
+from flashdraft.server.tools import active_tools
+
+
+class ToolChoice(_Strict):
+    """Anthropic ``tool_choice``."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(_Strict):
+    """Anthropic ``thinking``: on or off for templates that know ``enable_thinking``."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+
+class MessagesRequest(_Strict):
+    """``POST /v1/messages``; ``max_tokens`` optional (llama-server's default ``-n``)."""
+
+    model: str | None = None
+    messages: list[dict]
+    system: str | list[dict] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    tools: list[dict] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages body without the answer's settings."""
+
+
+def messages(body: bytes) -> GenRequest:
+    """``POST /v1/messages`` -> the internal request.
+
+    Raises:
+        APIError: 400 for a bad body, a content block of an unsupported type, a
+            ``tool_result`` answering no earlier ``tool_use``, a malformed tool or
+            ``input_schema``, or a ``tool_choice`` naming no given tool.
+    """
+    return _request(parse_request(body, MessagesRequest))
+
+
+def count_tokens(body: bytes) -> GenRequest:
+    """``POST /v1/messages/count_tokens`` -> the internal request (its prompt is counted)."""
+    return _request(parse_request(body, CountTokensRequest))
+
+
+def _request(req: MessagesRequest) -> GenRequest:
+    extra = dict(req.model_extra or {})
+    extra.pop("metadata", None)  # the caller's own ids: nothing to do with the answer
+    kwargs = None
+    if req.thinking is not None and req.thinking.type != "adaptive":
+        kwargs = {"enable_thinking": req.thinking.type == "enabled"}
+    return GenRequest(api="messages", model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens,
+                      stream=req.stream, stop=list(req.stop_sequences or []),
+                      sampling=Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+                      tools=tools_of(req), template_kwargs=kwargs, extra=extra, wire=req)
+
+
+def chat_messages(req: MessagesRequest) -> list[ChatMessage]:
+    """The conversation as chat messages (see the module's rules). Raises APIError 400."""
+    out: list[ChatMessage] = []
+    if req.system:
+        out.append(ChatMessage(role="system", content=_text(req.system, "system")))
+    calls: set[str] = set()  # tool_use ids seen so far: a tool_result must answer one
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(ChatMessage(role=role, content=content))
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
+        texts, tool_calls, results = [], [], []
+        for k, block in enumerate(content):
+            at = f"{where}.content.{k}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue
+            elif kind == "tool_use" and role == "assistant":
+                tool_calls.append(_tool_use(block, at))
+                calls.add(block["id"])
+            elif kind == "tool_result" and role == "user":
+                results.append(_tool_result(block, at, calls))
+            elif kind in ("image", "document"):
+                raise bad_request(f"{at}: {kind} input is not supported: this server serves text models only",
+                                  param=at)
+            else:
+                allowed = "text, thinking, tool_use" if role == "assistant" else "text, tool_result"
+                raise bad_request(f"{at}: a {role} message takes content blocks of type {allowed}; got {kind!r}"
+                                  + ("" if kind not in ("text",) else " without a string 'text'"), param=at)
+        out += results  # the tools' answers follow the call they answer, then the user's words
+        if texts or tool_calls or not results:
+            out.append(ChatMessage(role=role, content="".join(texts) if texts else (None if tool_calls else ""),
+                                   tool_calls=tool_calls or None))
+    if not any(m.role != "system" for m in out):  # llama-server answers an empty conversation too
+        out.append(ChatMessage(role="user", content=""))
+    return out
+
+
+def _text(system: str | list[dict], param: str) -> str:
+    if isinstance(system, str):
+        return system
+    parts = []
+    for k, block in enumerate(system):
+        if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+            raise bad_request(f"{param}.{k} must be a text block ({{\"type\": \"text\", \"text\": ...}})",
+                              param=f"{param}.{k}")
+        parts.append(block["text"])
+    return "\n\n".join(parts)
+
+
+def _tool_use(block: dict, at: str) -> dict:
+    """An assistant's ``tool_use`` block as an OpenAI tool call (how the history is rendered)."""
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+            or not isinstance(block.get("input"), dict):
+        raise bad_request(f"{at}: a tool_use block needs a string 'id', a string 'name' and an object 'input'",
+                          param=at)
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+
+
+def _tool_result(block: dict, at: str, calls: set[str]) -> ChatMessage:
+    """A user's ``tool_result`` block as a ``tool`` message."""
+    call_id = block.get("tool_use_id")
+    if call_id not in calls:
+        raise bad_request(f"{at}: tool_result answers tool_use_id {call_id!r}, but no earlier assistant message "
+                          "has a tool_use block with that id", param=f"{at}.tool_use_id")
+    content = block.get("content", "")
+    text = content if isinstance(content, str) else _text(content, f"{at}.content") if isinstance(content, list) \
+        else None
+    if text is None:
+        raise bad_request(f"{at}.content must be a string or a list of text blocks", param=f"{at}.content")
+    if block.get("is_error"):
+        text = "Error: " + text
+    return ChatMessage(role="tool", content=text, tool_call_id=call_id)
+
+
+def tools_of(req: MessagesRequest) -> Tools:
+    """Anthropic tools and ``tool_choice`` as the engine's tool calls.
+
+    Raises:
+        APIError: 400 for a server tool, a tool without a name, an ``input_schema`` that is
+            not a JSON schema object, or a ``tool_choice`` naming no given tool.
+    """
+    tools, choice = req.tools or [], req.tool_choice
+    openai_tools = []
+    for i, tool in enumerate(tools):
+        at = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{at} must be an object", param=at)
+        if tool.get("type") not in (None, "custom"):
+            raise bad_request(f"{at}: server tools ({tool.get('type')!r}) are not supported; give a client tool "
+                              "with name, description and input_schema", param=f"{at}.type")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise bad_request(f"{at}.input_schema must be a JSON schema object with \"type\": \"object\"",
+                              param=f"{at}.input_schema")
+        openai_tools.append({"type": "function", "function": {"name": tool.get("name"),
+                                                              "description": tool.get("description", ""),
+                                                              "parameters": schema}})
+    if choice is None or choice.type == "auto":
+        oa_choice: object = "auto"
+    elif choice.type == "any":
+        oa_choice = "required"
+    elif choice.type == "none":
+        oa_choice = "none"
+    else:
+        if not choice.name:
+            raise bad_request("tool_choice of type 'tool' needs a 'name'", param="tool_choice.name")
+        oa_choice = {"type": "function", "function": {"name": choice.name}}
+    try:
+        active = active_tools(openai_tools, oa_choice)
+    except APIError as e:  # active_tools speaks OpenAI's field names: say it in this API's
+        message = e.message.replace(".function.name", ".name").replace(".function.parameters", ".input_schema")
+        raise bad_request(message, param="tool_choice" if "tool_choice" in message else "tools") from None
+    must_call = choice is not None and choice.type in ("any", "tool")
+    parallel = False if choice is not None and choice.disable_parallel_tool_use else None
+    return Tools(active=active, must_call=must_call, parallel=parallel, offered=len(tools))
