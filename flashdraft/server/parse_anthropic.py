@@ -11,7 +11,9 @@ The Messages body becomes the same internal chat request as an OpenAI chat body:
 - ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice``
   (``auto`` / ``any`` / ``tool`` / ``none``, ``disable_parallel_tool_use``) -> the same
   constrained tool calls as OpenAI's (lossless with every drafter);
-- ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stream``.
+- ``output_config.format`` (``json_schema``) -> the answer's grammar (structured output);
+- ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stream``
+  (the ``anthropic`` SDK sends the sampling fields through ``extra_body``).
 
 As llama-server, ``max_tokens`` may be left out (the server's ``-n``) and an empty
 ``messages`` list is answered. Images, documents and server tools are refused with a 400.
@@ -30,6 +32,12 @@ from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.request import GenRequest, Sampling, Tools
 from flashdraft.server.schemas import ChatMessage, _Strict, parse_request
 from flashdraft.server.tools import active_tools
+
+
+#: Messages fields that cannot change the answer here (prompt caching is automatic; there is
+#: one machine and one speed)
+HARMLESS = ("metadata", "cache_control", "service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id",
+            "diagnostics")
 
 
 class ToolChoice(_Strict):
@@ -62,6 +70,8 @@ class MessagesRequest(_Strict):
     tools: list[dict] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    #: structured output: ``{"format": {"type": "json_schema", "schema": {...}}}``
+    output_config: dict | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -86,14 +96,38 @@ def count_tokens(body: bytes) -> GenRequest:
 
 def _request(req: MessagesRequest) -> GenRequest:
     extra = dict(req.model_extra or {})
-    extra.pop("metadata", None)  # the caller's own ids: nothing to do with the answer
+    for name in HARMLESS:  # the caller's ids, caching and routing hints: nothing to do with the answer
+        extra.pop(name, None)
     kwargs = None
     if req.thinking is not None and req.thinking.type != "adaptive":
         kwargs = {"enable_thinking": req.thinking.type == "enabled"}
     return GenRequest(api="messages", model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens,
                       stream=req.stream, stop=list(req.stop_sequences or []),
                       sampling=Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
-                      tools=tools_of(req), template_kwargs=kwargs, extra=extra, wire=req)
+                      tools=tools_of(req), constraint=output_format(req.output_config),
+                      constraint_param="output_config.format", template_kwargs=kwargs, extra=extra, wire=req)
+
+
+def output_format(config: dict | None) -> tuple[str, object] | None:
+    """``output_config.format`` (structured output) as the answer's grammar, or None.
+
+    Raises:
+        APIError: 400 for a format that is not ``json_schema`` with a schema object, or
+            other ``output_config`` fields.
+    """
+    if not config:
+        return None
+    unknown = set(config) - {"format"}
+    if unknown:
+        raise bad_request(f"output_config: {', '.join(sorted(unknown))} not supported (only format)",
+                          param="output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                          param="output_config.format")
+    return ("json_schema", fmt["schema"])
 
 
 def chat_messages(req: MessagesRequest) -> list[ChatMessage]:

@@ -24,8 +24,7 @@ from fastapi.responses import JSONResponse
 
 from flashdraft.generate import Step
 from flashdraft.server.errors import APIError
-from flashdraft.server.render_base import Completion, RenderContext, ResponseMeta, StreamFormat, sse
-from flashdraft.server.render_llama import stop_details
+from flashdraft.server.render_base import Completion, RenderContext, ResponseMeta, StreamFormat, sse, stop_details
 from flashdraft.server.tools import CallSniffer, parse_calls
 
 #: our error types -> Anthropic's (by HTTP status where the type has no twin)

@@ -154,3 +154,20 @@ class Logprobs:
                     for lp in lps]
         return [{"id": lp.token_id, **self._entry(lp.token_id, lp.logprob),
                  "top_logprobs": [{"id": i, **self._entry(i, v)} for i, v in lp.top[: self.n_top]]} for lp in lps]
+
+
+def stop_details(decode: Callable[[list[int]], str], c: Completion, stops: list[str]) -> tuple[str, str]:
+    """llama-server's ``(stop_type, stopping_word)``: ``eos`` | ``word`` | ``limit``.
+
+    The loop reports only ``stop``/``length``; a stop string cut the text short exactly
+    when the decoded tokens run past the returned text, and the stop string is what
+    follows it there.
+    """
+    if c.finish_reason == "length":
+        return "limit", ""
+    full = decode(c.token_ids)
+    if len(full) > len(c.text) and full.startswith(c.text):
+        for s in stops:
+            if s and full.startswith(s, len(c.text)):
+                return "word", s
+    return "eos", ""

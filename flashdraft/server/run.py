@@ -11,7 +11,7 @@ never runs; running: stops within one verify step). On SIGTERM a queued job is a
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -45,6 +45,8 @@ async def cancel_on_disconnect(request: Request, *tickets: Ticket):
         yield
     finally:
         task.cancel()
+        with suppress(asyncio.CancelledError):  # the watcher is gone before the answer is written
+            await task
 
 
 def failure(e: JobFailed | ServerShuttingDown) -> APIError:
