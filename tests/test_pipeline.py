@@ -57,3 +57,15 @@ USER = [{"role": "user", "content": "t1 t2"}]
 ])
 def test_each_step_module_is_visited_once_in_order(path, body, parse, render):
     assert visited_steps(path, body) == [parse, "validate", "jobs", "run", render]
+
+
+def test_a_missing_api_key_is_401_in_each_apis_error_shape():
+    with serve(new_generator(ctx_size=128), api_key="k") as url:
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=60)
+        claude = httpx.post(url + "/v1/messages", json={"messages": USER}, timeout=60)
+        ok = httpx.post(url + "/v1/messages", json={"messages": USER, "max_tokens": 2}, headers={"x-api-key": "k"},
+                        timeout=60)
+    assert chat.status_code == claude.status_code == 401
+    assert chat.json()["error"]["type"] == "authentication_error"
+    assert claude.json()["type"] == "error" and claude.json()["error"]["type"] == "authentication_error"
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
