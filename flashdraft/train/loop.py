@@ -382,7 +382,7 @@ class Trainer:
             for p in load_prompt_set(name, limit=self.cfg.eval_prompts):
                 ids = self.target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])
                 _, _, _, t = generate_text(gen, ids, self.cfg.eval_tokens, SamplingParams())
-                produced, steps = produced + t.predicted_n, steps + t.n_steps
+                produced, steps = produced + t.verify_n, steps + t.n_steps - 1
             result[f"tau_{name}"] = round(produced / max(1, steps), 4)
         self.drafter.train(was_training).requires_grad_(True)
         self.target.set_feature_layers(self.drafter.target_layer_ids)
