@@ -360,7 +360,10 @@ def register(app: FastAPI, state: ServerState) -> None:
         tools, must_call = chat_tools(req)
         ids = state.prompts.encode_segments(chat_segments(req, tools, must_call))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        spec = tool_grammar(tools, must_call, req.parallel_tool_calls) if tools else None
+        parallel = req.parallel_tool_calls
+        if parallel is None:  # llama-server's default: what the chat template can write
+            parallel = state.prompts.parallel_tool_calls
+        spec = tool_grammar(tools, must_call, parallel) if tools else None
         jobs = [state.make_job(ids, req.max_new_tokens(), req, limit_param=limit_param, prompt_param="messages",
                                constraint_spec=spec, choice=i) for i in range(n_choices)]
         meta = R.ResponseMeta.new("chatcmpl", model)
