@@ -131,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     limits.add_arguments(parser.add_argument_group("limits (over one: a 4xx naming the flag; 503 queue_full for the queue)"))
 
-    llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility"))
+    llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility",
+                                                        llama_flags.describe()))
 
 
 #: llama.cpp's ``--spec-type`` names mapped to this engine's (a comma list mixes methods:
@@ -357,7 +358,9 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """A stand-alone parser with the ``serve`` flags (for ``python -m`` and tests)."""
-    parser = argparse.ArgumentParser(prog="flashdraft serve", allow_abbrev=False,
+    from flashdraft.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="flashdraft serve", allow_abbrev=False, formatter_class=HelpFormatter,
                                      description="llama-server-compatible HTTP server with speculative decoding")
     add_arguments(parser)
     return parser
