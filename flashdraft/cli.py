@@ -165,7 +165,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="flashdraft", description="DFlash speculative decoding for local LLMs",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level of every command but serve (serve: -v, --log-disable)")
+                        help="log level of every command but serve (serve: -v, --log-disable, --log-format)")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module, help_text) in COMMANDS.items():
@@ -183,7 +183,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser, modules = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command != "serve":  # serve sets up its own (--log-file, --log-format, -v, --log-disable)
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return modules[args.command].run(args)
     except (ValueError, FileNotFoundError) as e:

@@ -49,8 +49,9 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(timestamps: bool = False, prefix: bool = False, verbose: bool = False, quiet: bool = False,
                   log_file: str | None = None, fmt: str = "text") -> None:
-    """Configure the root logger for ``flashdraft serve`` (replacing any earlier setup, e.g.
-    the main CLI's): stderr, plus ``log_file`` when given.
+    """Configure the root logger for ``flashdraft serve``: stderr, plus ``log_file`` when
+    given (``logging.basicConfig``: a no-op where the root logger already has handlers, as
+    under pytest's log capture; the main CLI leaves ``serve``'s logging to this).
 
     Args:
         timestamps / prefix: text format only: start lines with the time / the level letter.
@@ -74,7 +75,7 @@ def setup_logging(timestamps: bool = False, prefix: bool = False, verbose: bool 
     for h in handlers:
         h.setFormatter(formatter)
     level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, handlers=handlers, force=True)
+    logging.basicConfig(level=level, handlers=handlers)
 
 
 class RequestLogMiddleware:
