@@ -109,10 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("-n", "--max-tokens", type=int, default=256, help="max tokens to generate (default: 256)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="top-k at temperature > 0, 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p at temperature > 0, 1.0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p at temperature > 0, 0.0 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: None = random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, timings")
 
@@ -149,9 +149,23 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashdraft", description="DFlash speculative decoding for local LLMs")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter that adds ``(default: X)`` only where the help text does
+    not already say its default, and not to on/off switches (off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The ``flashdraft`` parser with every subcommand, and ``{command: module}``."""
+    parser = argparse.ArgumentParser(prog="flashdraft", description="DFlash speculative decoding for local LLMs",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of every command but serve (serve: -v, --log-disable, --log-format)")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module, help_text) in COMMANDS.items():
@@ -161,9 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             if not e.name or not e.name.startswith("flashdraft"):
                 raise
             continue  # command not available in this build
-        modules[name].add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        modules[name].add_arguments(sub.add_parser(name, help=help_text, description=help_text,
+                                                   formatter_class=HelpFormatter))
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, modules = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command != "serve":  # serve sets up its own (--log-file, --log-format, -v, --log-disable)
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return modules[args.command].run(args)
     except (ValueError, FileNotFoundError) as e:

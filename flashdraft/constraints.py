@@ -61,12 +61,62 @@ class TokenizerInfo:
             return info
 
 
+#: schema keywords whose values are schemas (or maps / lists of them) that close_objects walks
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains", "additionalProperties")
+
+
+def close_objects(schema: object) -> object:
+    """A copy of a JSON schema in which an object schema that names ``properties`` but says
+    nothing of ``additionalProperties`` (nor ``patternProperties``) admits only those keys.
+
+    Why: JSON Schema allows any extra key by default, so a grammar built to the letter lets a
+    model invent keys (seen: ``get_weather`` arguments running on with ``"type"``,
+    ``"properties"``, ``"temperature_fahrenheit"``). llama.cpp's json-schema-to-grammar
+    generates extra keys only where ``additionalProperties`` allows them; this does the same.
+    ``{"type": "object"}`` without ``properties`` stays open (any object), as there. Members
+    of ``allOf`` are left open: each names only part of the keys the whole object may have.
+    """
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: close_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close_inside(v) for v in out["allOf"]]
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _close_inside(schema: object) -> object:
+    """:func:`close_objects` on what ``schema`` contains, leaving ``schema`` itself open."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = close_objects(schema)
+    if "additionalProperties" not in schema and isinstance(closed, dict):
+        closed.pop("additionalProperties", None)
+    return closed
+
+
 def compile_grammar(kind: str, text: str | dict) -> str:
     """A grammar definition for :class:`Constraint` from a request's constraint.
 
     Args:
         kind: one of :data:`KINDS` (``json_object`` takes no text).
-        text: the JSON schema (dict or JSON text), GBNF, Lark or regex source.
+        text: the JSON schema (dict or JSON text; objects closed by :func:`close_objects`),
+            GBNF, Lark or regex source.
     Raises:
         GrammarError: an unknown kind, or a schema / grammar that does not compile
             (with llguidance's message: the rule, line or keyword at fault).
@@ -77,8 +127,12 @@ def compile_grammar(kind: str, text: str | dict) -> str:
         kind, text = "json_schema", {"type": "object"}
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; choose from {', '.join(KINDS)}")
-    if kind == "json_schema" and not isinstance(text, str):
-        text = json.dumps(text)
+    if kind == "json_schema":  # only the keys a schema names, unless it allows more (close_objects)
+        try:
+            schema = json.loads(text) if isinstance(text, str) else text
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        text = json.dumps(close_objects(schema))
     try:
         grammar = llguidance.grammar_from("grammar" if kind == "gbnf" else kind, text)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -50,13 +50,19 @@ class Timings:
     Times are milliseconds. ``prompt_n``: prompt tokens run through the target;
     ``cache_n``: prompt tokens reused from the prompt cache instead (llama-server's meaning:
     the whole prompt is ``prompt_n + cache_n``). ``predicted_n`` counts only tokens that are returned.
-    ``draft_n``: drafted tokens; ``draft_n_accepted``: accepted ones that were returned;
+    ``draft_n``: drafted tokens; ``draft_n_accepted``: accepted ones that were produced (returned,
+    or the accepted end-of-sequence token that ended the answer; never those after a stop);
     ``accepted_per_position[k]``: drafts accepted at position k+1; ``drafted_per_position[k]``:
     drafts proposed at position k+1; ``n_drafts``: verify steps that carried a draft.
     ``draft_depth_sum``: draft tokens asked for, summed over verify steps (the depth chosen by
     the controller or the fixed ``--spec-draft-n-max``, before the cut at ``max_tokens`` and
     the context); ``draft_depth_last``: the standing depth after the last step, probes aside
     (the depth the next request starts from; 0 = drafting off).
+    ``verify_n``: tokens the verify steps produced, each step counted up to and including the
+    token that ended the sequence (an end-of-sequence token that is not returned counts, as
+    does the token that completed a stop string or reached ``max_tokens``; tokens after the
+    end do not), so every verify step counts at least 1; ``step_hist[j]``: verify steps that
+    produced ``j + 1`` tokens by that rule (``sum(step_hist) == n_steps - 1``).
     """
 
     prompt_n: int = 0
@@ -72,13 +78,22 @@ class Timings:
     drafted_per_position: list[int] = field(default_factory=list)
     draft_depth_sum: int = 0
     draft_depth_last: int = 0
+    verify_n: int = 0
+    step_hist: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
-        """τ: mean tokens produced per verify step (accepted drafts + bonus). The prefill's
-        first token is not a verify step and counts in neither sum, so plain decoding reads
-        exactly 1.0; 0.0 before the first verify step."""
-        return (self.predicted_n - 1) / (self.n_steps - 1) if self.n_steps > 1 else 0.0
+        """τ: mean tokens produced per verify step (accepted drafts + bonus), the step that
+        ended the sequence counted through its last token (see :attr:`verify_n`). The prefill's
+        first token is not a verify step, so plain decoding reads exactly 1.0, and τ ≥ 1.0
+        always; 1.0 when no verify step ran (nothing was drafted)."""
+        return self.verify_n / (self.n_steps - 1) if self.n_steps > 1 else 1.0
+
+    def count_step(self, produced: int) -> None:
+        """Count one verify step that produced ``produced >= 1`` tokens (:attr:`verify_n`)."""
+        self.verify_n += produced
+        self.step_hist.extend([0] * (produced - len(self.step_hist)))
+        self.step_hist[produced - 1] += 1
 
     @property
     def draft_depth(self) -> float:
@@ -415,7 +430,7 @@ class Sequence:
         self._t1 = time.perf_counter()
         t = self.t
         t.prompt_ms = 1e3 * (self._t1 - self._t0)
-        finish, kept = _emit(self.stream, [first], self.eos, self.max_tokens, t)
+        finish, kept, _ = _emit(self.stream, [first], self.eos, self.max_tokens, t)
         t.n_steps = 1
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
@@ -442,17 +457,19 @@ class Sequence:
             self._ctrl.update(n, n_acc, time.perf_counter() - self._t0)
 
         # 5. stops; count only what is returned
-        finish, kept = _emit(self.stream, new, self.eos, self.max_tokens, t)
+        finish, kept, produced = _emit(self.stream, new, self.eos, self.max_tokens, t)
         if finish is None and self.tokens.shape[0] >= self.ctx_size:
             finish = "length"
         t.n_steps += 1
+        t.count_step(produced)
         t.draft_depth_sum += self._depth
         t.draft_depth_last = self._standing
         if n:
             t.n_drafts += 1
             t.draft_n += n
-            t.draft_n_accepted += min(n_acc, len(kept))
-            _count_positions(t, n, min(n_acc, len(kept)))
+            # an accepted draft counts if it was produced (an accepted end of sequence too)
+            t.draft_n_accepted += min(n_acc, produced)
+            _count_positions(t, n, min(n_acc, produced))
         t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
@@ -517,19 +534,21 @@ def _count_positions(t: Timings, n: int, n_acc: int) -> None:
 
 
 def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
-          t: Timings) -> tuple[str | None, list[int]]:
-    """Feed new tokens through the stop rules; returns (finish_reason, tokens kept)."""
+          t: Timings) -> tuple[str | None, list[int], int]:
+    """Feed new tokens through the stop rules; returns (finish_reason, tokens kept, tokens
+    produced): produced counts the kept tokens plus an end-of-sequence token that ended them
+    (the target produced it; it is not returned), the rule of :attr:`Timings.verify_n`."""
     kept = []
     for tok in new:
         if tok in eos:
-            return "stop", kept
+            return "stop", kept, len(kept) + 1
         kept.append(tok)
         t.predicted_n += 1
         if stream.add(tok):
-            return "stop", kept
+            return "stop", kept, len(kept)
         if t.predicted_n >= max_tokens:
-            return "length", kept
-    return None, kept
+            return "length", kept, len(kept)
+    return None, kept, len(kept)
 
 
 def generate_text(generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,

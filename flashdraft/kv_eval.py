@@ -152,7 +152,7 @@ def dflash_tau(target, spec: KVCacheSpec | None, drafter_path: str | None, promp
     produced = steps = 0
     for ids in prompts:
         t = generate_text(gen, ids, n, SamplingParams(), ignore_eos=True)[3]
-        produced += t.predicted_n - 1  # the prefill's token is not a verify step's
+        produced += t.verify_n  # the prefill's token is not a verify step's
         steps += t.n_steps - 1
     return produced / max(steps, 1)
 

@@ -56,7 +56,7 @@ def main() -> int:
             for x in ids:
                 _, tokens, _, t = generate_text(gen, x, args.max_tokens, SamplingParams())
                 out.append(tokens)
-                steps, produced = steps + t.n_steps - 1, produced + t.predicted_n - 1
+                steps, produced = steps + t.n_steps - 1, produced + t.verify_n
             rate = sum(map(len, out)) / (time.perf_counter() - t0)
             return out, (produced / steps if steps else 0.0), rate
 

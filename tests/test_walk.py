@@ -48,7 +48,7 @@ def _online_ids(gen):
 
 
 SAME = ("tau", "verify_steps", "draft_n", "draft_n_accepted", "per_position_acceptance",
-        "per_position_drafted", "histogram", "histogram_skipped", "tokens")
+        "per_position_drafted", "histogram", "tokens")
 
 
 def briefly_trained_drafter(target, answers, block_size: int, steps: int):

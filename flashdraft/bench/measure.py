@@ -4,8 +4,10 @@ Every configuration (our engine, transformers, llama.cpp, a remote server) retur
 :class:`Generation`, so the statistics and the report never care where it came from.
 
 Glossary (DESIGN.md §1): a *step* is one target forward that returns tokens (the prefill
-counts as the first step); each step accepts ``k >= 0`` draft tokens and adds one bonus
-token, so it yields ``k + 1`` tokens; τ (acceptance length) = tokens / steps.
+counts as the first step); each verify step accepts ``k >= 0`` draft tokens and adds one
+bonus token, so it yields ``k + 1`` tokens; τ (acceptance length) = tokens / verify steps,
+the prefill left out and the last step counted through the token that ended the answer
+(``Timings.verify_n``).
 """
 
 from __future__ import annotations
@@ -65,16 +67,12 @@ def _grow(counts: list[int], n: int) -> None:
 
 
 def counts_from_timings(t: Timings) -> SpecCounts:
-    """Our engine's :class:`Timings` -> :class:`SpecCounts`.
-
-    Acceptance is a prefix, so the steps that accepted at least k drafts are
-    ``accepted_per_position[k-1]`` (and all ``n_steps`` for k = 0); the histogram is the
-    difference of neighbours.
+    """Our engine's :class:`Timings` -> :class:`SpecCounts`: the histogram is the engine's
+    own per-step count of the verify steps (``Timings.step_hist``), so the bench's τ is the
+    server's ``timings.acceptance_length`` (the last step counted through the token that
+    ended the answer, an end-of-sequence token included; the prefill's token left out).
     """
-    at_least = [t.n_steps] + list(t.accepted_per_position) + [0]
-    hist = [max(0, at_least[k] - at_least[k + 1]) for k in range(len(at_least) - 1)]
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
+    hist = list(t.step_hist) or [0]
     return SpecCounts(steps=t.n_steps, draft_n=t.draft_n, draft_n_accepted=t.draft_n_accepted,
                       accepted_per_position=list(t.accepted_per_position),
                       drafted_per_position=list(t.drafted_per_position), accepted_hist=hist)

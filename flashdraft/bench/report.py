@@ -221,6 +221,14 @@ SUMMARY_HEADER = ("config", "prompt tok", "completion tok", "decode tok/s", "spe
                   "same as baseline")
 
 
+def summary_header(rows: list[dict]) -> tuple[str, ...]:
+    """:data:`SUMMARY_HEADER` with the per-position column naming the positions its rows show
+    (``1..7`` for a block-8 drafter, at most :data:`SHOWN_POSITIONS`)."""
+    shown = min(SHOWN_POSITIONS, max((len(r.get("per_position_acceptance") or []) for r in rows), default=0))
+    column = f"per-position accept % (1..{shown})" if shown else "per-position accept %"
+    return SUMMARY_HEADER[:10] + (column,) + SUMMARY_HEADER[11:]
+
+
 def _row(s: dict, first: str) -> list[str]:
     rate = None if s["acceptance_rate"] is None else 100 * s["acceptance_rate"]
     return [first, str(s["prompt_tokens"]), _num(s["completion_tokens"], "d"), _spread(s["decode_tokens_per_s"]),
@@ -262,7 +270,7 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
         groups.setdefault((s["prompt_set"], s["temperature"]), []).append(s)
     for (pset, temp), rows in groups.items():
         out += [f"### {pset}, temperature {temp:g}", ""]
-        out += _table(SUMMARY_HEADER, [_row(s, s["config"]) for s in rows])
+        out += _table(summary_header(rows), [_row(s, s["config"]) for s in rows])
         errors = [f"{s['config']}: {s['errors']} of {s['runs']} runs failed" for s in rows if s["errors"]]
         out += [""] + [f"- {e}" for e in errors] + ([""] if errors else [])
         held = [s for s in rows if s["constrained"]]
@@ -273,7 +281,7 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
             out += _table(GRAMMAR_HEADER, [_grammar_row(s, s["config"]) for s in held]) + [""]
         if show_per_prompt:
             mine = [p for p in per_prompt if p["prompt_set"] == pset and p["temperature"] == temp]
-            header = ("prompt / config",) + SUMMARY_HEADER[1:]
+            header = ("prompt / config",) + summary_header(mine)[1:]
             out += _table(header, [_row(p, f"{p['prompt_id']} / {p['config']}") for p in mine]) + [""]
     ran = [c for c in contenders if not isinstance(c, Unavailable)]
     out += ["Configurations:", ""] + [f"- `{c.name}`: {c.description}" for c in ran] + [""]

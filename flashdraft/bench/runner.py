@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_model_arguments(p)
     # bench runs every drafting method side by side; --spec-type would mean nothing here
-    p._option_string_actions["--spec-type"].help = argparse.SUPPRESS
+    p._option_string_actions["--spec-type"].help = "not used by bench: --configs picks the drafting methods"
     p._option_string_actions["-md"].help = ("DFlash drafter for `dflash` and `hf-dflash`: SpecForge dir, GGUF or "
                                             "random[:LAYERS] (default: the shipped one for the default target)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens to generate per prompt "
                         f"(default: {LONG_MAX_TOKENS} for seed, {DEFAULT_MAX_TOKENS} otherwise)")
     p.add_argument("--temperature", "--temp", default="0",
-                   help="comma-separated temperatures, 0 = greedy (default: 0; the guide also uses 0.7)")
-    p.add_argument("--top-k", type=int, default=64, help="top-k at temperature > 0 (default: 64, the guide's)")
+                   help="comma-separated temperatures, 0 = greedy (default: 0; the seed article, Gemma-4-31B "
+                        "DFlash on an RTX 4090 with beellama.cpp, also uses 0.7)")
+    p.add_argument("--top-k", type=int, default=64, help="top-k at temperature > 0 (default: 64, the seed article's)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p at temperature > 0 (default: 0.95)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p at temperature > 0 (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (default: 0)")

@@ -39,7 +39,7 @@ from pydantic.json_schema import models_json_schema
 
 import flashdraft
 from flashdraft.generate import SpeculativeGenerator
-from flashdraft.server import pipeline, webui
+from flashdraft.server import pipeline, request_log, webui
 from flashdraft.server.errors import APIError, install_error_handlers
 from flashdraft.server.metrics import CONTENT_TYPE
 from flashdraft.server.parse_anthropic import MessagesRequest
@@ -148,6 +148,8 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     cors = settings.cors
     app.add_middleware(PreflightCORS, allow_origins=cors.listed_origins(), allow_origin_regex=cors.origin_regex(),
                        allow_methods=cors.methods, allow_headers=cors.headers, allow_credentials=cors.credentials)
+    # outermost of all: the request log sees every answer, a 401 or a CORS preflight too
+    app.add_middleware(request_log.RequestLogMiddleware)
     install_error_handlers(app)
     if settings.webui:
         webui.register(app)

@@ -121,13 +121,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--log-timestamps", action="store_true", help="prefix log lines with the time")
     h.add_argument("--log-prefix", action="store_true", help="prefix log lines with the level")
     h.add_argument("-v", "--verbose", "--log-verbose", action="store_true", help="debug logging")
-    h.add_argument("--log-disable", action="store_true", help="log warnings and errors only")
+    h.add_argument("--log-disable", action="store_true",
+                   help="log warnings and errors only (no request log)")
     h.add_argument("--log-file", default=None, metavar="FILE", help="also write the log to FILE")
+    h.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text lines, or one JSON object per line (request and generation records carry "
+                        "their figures as fields)")
     h.add_argument("--ignore-eos", action="store_true", help="requests keep generating past EOS by default")
 
     limits.add_arguments(parser.add_argument_group("limits (over one: a 4xx naming the flag; 503 queue_full for the queue)"))
 
-    llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility"))
+    llama_flags.add_arguments(parser.add_argument_group("accepted for llama-server compatibility",
+                                                        llama_flags.describe()))
 
 
 #: llama.cpp's ``--spec-type`` names mapped to this engine's (a comma list mixes methods:
@@ -227,7 +232,14 @@ def run(args: argparse.Namespace) -> int:
         0 after a normal shutdown, 1 if the model failed to load or the sampling
         defaults are invalid.
     """
-    _setup_logging(args.log_timestamps, args.log_prefix, args.verbose, args.log_disable, args.log_file)
+    from flashdraft.server.request_log import setup_logging
+
+    try:
+        setup_logging(args.log_timestamps, args.log_prefix, args.verbose, args.log_disable, args.log_file,
+                      args.log_format)
+    except OSError as e:
+        print(f"flashdraft serve: error: --log-file {args.log_file}: {e.strerror or e}", file=sys.stderr)
+        return 1
     import torch
     import uvicorn
 
@@ -291,8 +303,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
         return 1
     app = create_app(load, settings, on_load_failed=on_load_failed)
+    # log_config=None: uvicorn's lines go through our handlers (--log-file, --log-format) too
     config = uvicorn.Config(app, log_level="warning" if args.log_disable else "info", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, log_config=None)
     server = uvicorn.Server(config)
     _exit_cleanly_on_sigterm(server)
     for host in hosts:
@@ -343,19 +356,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _setup_logging(timestamps: bool, prefix: bool, verbose: bool = False, quiet: bool = False,
-                   log_file: str | None = None) -> None:
-    fmt = ("%(asctime)s " if timestamps else "") + ("%(levelname).1s " if prefix else "") + "%(name)s: %(message)s"
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file:
-        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
-    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, format=fmt, handlers=handlers)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """A stand-alone parser with the ``serve`` flags (for ``python -m`` and tests)."""
-    parser = argparse.ArgumentParser(prog="flashdraft serve", allow_abbrev=False,
+    from flashdraft.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="flashdraft serve", allow_abbrev=False, formatter_class=HelpFormatter,
                                      description="llama-server-compatible HTTP server with speculative decoding")
     add_arguments(parser)
     return parser

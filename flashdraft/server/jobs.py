@@ -42,14 +42,15 @@ def build(req: GenRequest, state) -> list[GenerationJob]:
         many = len(req.prompts) > 1
         prompts = [(state.prompts.prompt(p, f"prompt[{i}]" if many else "prompt"), f"prompt[{i}]" if many else "prompt")
                    for i, p in enumerate(req.prompts)]
-    spec = tool_grammar(req.tools.active, req.tools.must_call, parallel_calls(req)) if req.tools.active else None
+    spec = tool_grammar(req.tools.active, req.tools.must_call, parallel_calls(req, state)) if req.tools.active else None
     return [make_job(state, ids, req, prompt_param=param, constraint_spec=spec, choice=k)
             for ids, param in prompts for k in range(req.n_choices)]
 
 
-def parallel_calls(req: GenRequest) -> bool:
-    """Whether one answer may hold several tool calls (the request's choice; default yes)."""
-    return True if req.tools.parallel is None else req.tools.parallel
+def parallel_calls(req: GenRequest, state) -> bool:
+    """Whether one answer may hold several tool calls: the request's choice, else (as
+    llama-server) whether the chat template can write several."""
+    return state.prompts.parallel_tool_calls if req.tools.parallel is None else req.tools.parallel
 
 
 def segments(req: GenRequest, state):

@@ -258,8 +258,20 @@ class _Given(argparse.Action):
         setattr(namespace, self.dest, (option_string, value))
 
 
+def describe() -> str:
+    """The help text of the compatibility group: every flag named, one line per kind (the
+    flags themselves are hidden from ``--help``, one line each would bury the rest)."""
+    ignored = ", ".join(names[0] for names, _, _ in IGNORED_FLAGS)
+    refused = ", ".join(names[0] for names, _, _ in REFUSED_FLAGS)
+    return ("llama-server flags this engine does not implement, parsed with llama-server's arity so its "
+            "command lines start this server. Ignored (hardware and memory settings that change no answer "
+            f"here; listed once in the log): {ignored}. Refused, stopping the start with a message, unless given "
+            f"the value that changes nothing (they would change the answers): {refused}.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ignored and refused flags to ``parser``, hidden from ``--help``."""
+    """Add the ignored and refused flags to ``parser``, hidden from ``--help`` (``parser``'s
+    description, :func:`describe`, names them all)."""
     for kind, flags in (("ignored", IGNORED_FLAGS), ("refused", REFUSED_FLAGS)):
         for names, arity, _ in flags:
             nargs = {"b": 0, "?": "?", "v2": 2}.get(arity)  # "?": newer llama.cpp a value, older a switch

@@ -20,7 +20,7 @@ Source: OpenAI, "Responses" API reference (platform.openai.com/docs/api-referenc
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.request import GenRequest, Sampling, Tools
@@ -37,7 +37,15 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    #: -1 = until a stop or the context's end (llama-server's meaning, as on every endpoint)
+    max_output_tokens: int | None = Field(None, ge=-1)
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _no_zero_limit(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (until a stop or the context end) or at least 1")
+        return v
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False

@@ -14,6 +14,7 @@ plain text (:mod:`.chat_templates`), so no message can speak as another role.
 from __future__ import annotations
 
 import copy
+import functools
 
 from flashdraft.server import chat_templates
 from flashdraft.server.errors import bad_request
@@ -55,6 +56,14 @@ class PromptBuilder:
     @property
     def has_chat_template(self) -> bool:
         return self.builtin is not None or bool(self.jinja)
+
+    @functools.cached_property
+    def parallel_tool_calls(self) -> bool:
+        """Whether the template can write several tool calls in one turn (the default of a
+        request's ``parallel_tool_calls``; probed once)."""
+        from flashdraft.server.tools import supports_parallel_tool_calls
+
+        return supports_parallel_tool_calls(self.tokenizer, self.jinja)
 
     @property
     def chat_template(self) -> str | None:

@@ -31,6 +31,7 @@ from typing import AsyncIterator
 from flashdraft import batch
 from flashdraft.generate import Cancelled, SpeculativeGenerator, Step
 from flashdraft.sampling import SamplingParams
+from flashdraft.server import request_log
 from flashdraft.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -320,6 +321,8 @@ class Scheduler:
                 if step.finish_reason is not None:
                     if self.metrics and step.timings is not None:
                         self.metrics.observe_generation(step.timings)
+                    if step.timings is not None:  # the request log: the response's own timings
+                        request_log.generation(step.timings.to_dict(self.generator.drafting), 0, step.finish_reason)
                     self._release()
                 if not ticket.channel.put(step):
                     ticket.cancel()
@@ -359,6 +362,9 @@ class Scheduler:
                     continue
                 if result.finish_reason is not None and self.metrics and result.timings is not None:
                     self.metrics.observe_generation(result.timings)
+                if result.finish_reason is not None and result.timings is not None:  # the request log
+                    request_log.generation(result.timings.to_dict(self.generator.drafting), slot.index,
+                                           result.finish_reason)
                 if slot.seq.done:  # out of the running count before the client gets its answer
                     self._end(slot, result)
                     continue

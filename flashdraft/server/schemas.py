@@ -200,12 +200,20 @@ class StreamOptions(_Strict):
 class _OpenAIFields(SamplingFields):
     """Fields shared by ``/v1/chat/completions`` and ``/v1/completions``."""
 
-    max_tokens: int | None = Field(None, ge=1)
+    #: -1 = until a stop or the context end, as llama-server (``-n`` still applies when set)
+    max_tokens: int | None = Field(None, ge=-1)
     #: choices per request, each decoded as a job of its own (non-streamed only)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
     #: llama-server: add a ``__verbose`` object (the prompt as text) to a non-streamed answer
     verbose: bool = False
+
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _no_zero_limit(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (until a stop or the context end) or at least 1")
+        return v
 
     def choices(self) -> int:
         """Choices asked for; more than one needs ``stream: false``.
@@ -251,13 +259,14 @@ class ChatCompletionRequest(_OpenAIFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     #: OpenAI function tools (see :mod:`flashdraft.server.tools`)
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
+    #: None = what the chat template can write (:func:`~flashdraft.server.tools.supports_parallel_tool_calls`)
+    parallel_tool_calls: bool | None = None
     #: extra variables for the chat template (e.g. ``enable_thinking``)
     chat_template_kwargs: dict | None = None
     #: false: render without the assistant prefix (llama-server, vLLM)

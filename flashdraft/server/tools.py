@@ -20,7 +20,12 @@ from __future__ import annotations
 import json
 import uuid
 
+from flashdraft.constraints import close_objects
 from flashdraft.server.errors import bad_request
+
+#: the probe's two calls (names no real tool is likely to use, so finding them means the
+#: template wrote them)
+_PROBE_CALLS = ("flashdraft_probe_first", "flashdraft_probe_second")
 
 
 def active_tools(tools: list[dict] | None, tool_choice: object) -> list[dict]:
@@ -68,7 +73,8 @@ def tool_prompt(tools: list[dict], must_call: bool) -> str:
 
 def calls_schema(tools: list[dict], parallel: bool) -> dict:
     """JSON schema of a tool-call answer: each call names one tool and matches its parameters."""
-    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                             "arguments": close_objects(t["parameters"])},
             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     items = one[0] if len(one) == 1 else {"anyOf": one}
     calls = {"type": "array", "items": items, "minItems": 1}
@@ -100,6 +106,29 @@ def parse_calls(text: str) -> list[dict] | None:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
             for c in calls]
+
+
+def supports_parallel_tool_calls(tokenizer, jinja_template: str | None) -> bool:
+    """Whether the chat template can write several tool calls in one assistant turn: the
+    default of ``parallel_tool_calls``, as llama-server's ``supports_parallel_tool_calls``
+    (llama.cpp probes a template the same way: render an assistant message with two calls,
+    look for both). A built-in template (``--no-jinja``) or one that fails to render or
+    drops the calls (SmolLM2's renders only ``content``) cannot.
+
+    Args:
+        tokenizer: a transformers tokenizer (its ``apply_chat_template`` renders the probe).
+        jinja_template: the Jinja source in use, or None.
+    """
+    if not jinja_template:
+        return False
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {"x": i}}}
+             for i, name in enumerate(_PROBE_CALLS)]
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=jinja_template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses tool calls cannot write two
+        return False
+    return all(name in text for name in _PROBE_CALLS)
 
 
 def history_message(role: str, content: str, tool_calls: list | None) -> dict:

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None,
                    help="regenerated data directory, or several separated by commas (default: OUT/data)")
     p.add_argument("--prompts", type=int, default=2000,
-                   help="responses to regenerate before training (0 = use what DATA has; default 2000)")
+                   help="responses to regenerate before training (0 = use what DATA has; default: 2000)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap for regeneration")
     p.add_argument("--regen-batch-size", type=int, default=32, help="sequences regenerated together")
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this many hours")
@@ -35,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "adds identity-initialised layers)")
     p.add_argument("--feature-layers", type=int, default=None,
                    help="target layers fused as context features (default 3)")
-    p.add_argument("--block-size", type=int, default=None, help="block size (default 16, or --init-from's)")
+    from flashdraft.train.loop import shipped_block_size
+
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"block size (default: {shipped_block_size()}, the shipped drafter's, or --init-from's)")
     p.add_argument("--blocks-per-step", type=int, default=256,
                    help="anchors (blocks) per sequence per step, at most one per answer position (default 256)")
     p.add_argument("--seqs-per-step", type=int, default=2, help="sequences per optimizer step (default 2)")
@@ -54,16 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out answers for the offline τ (made by `flashdraft eval --offline`)")
     p.add_argument("--build-features", action="store_true",
                    help="compute stored context features for DATA's shards that lack them, then exit")
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (cosine schedule, 4%% warm-up)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="reduced draft vocabulary size, 0 = full (default 8192, or --init-from's)")
-    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="token whose embedding fills the block's mask positions (default: None = SmolLM2's "
+                        "<empty_output> for a 49152-token vocabulary, else the pad token or 0)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="bf16 autocast: auto = when a measured bf16 matmul beats float32 on this CPU (default)")
     p.add_argument("--no-bf16", dest="bf16", action="store_const", const="off", help="same as --bf16 off")
     p.add_argument("--eval-minutes", type=float, default=20.0, help="held-out τ every N minutes (0 = off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and data order")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: None = torch's own choice)")
     add_device_argument(p)
 
 

@@ -4,21 +4,21 @@ Glossary (DESIGN.md §1; vLLM spec_decode metrics conventions):
 
 - verify step: one target forward over [anchor, drafts]. The prefill's first token is *not*
   a verify step and is left out of τ and the histogram.
-- τ (``tau``): tokens returned by verify steps / verify steps, bonus included (paper
-  convention; a drafter that is never right gives 1.0), over the steps in the histogram,
-  so τ is the histogram's mean (``Timings.acceptance_length`` in the server's timings
-  counts the same way).
+- τ (``tau``): tokens produced by verify steps / verify steps, bonus included (paper
+  convention; a drafter that is never right gives 1.0). The step that ends a sequence counts
+  its tokens through the one that ended it: an end-of-sequence token counts though it is not
+  returned, tokens after a stop string or ``max_tokens`` do not (``Timings.verify_n``: the
+  server's ``timings.acceptance_length``, the bench and the offline walk count the same way),
+  so every step counts at least 1 and plain decoding reads exactly 1.0. τ is the histogram's
+  mean.
 - ``tau_drafted``: 1 + accepted drafts / verify steps that carried a draft (vLLM's
   "mean acceptance length"); differs from τ when the drafter sometimes proposes nothing
   (n-gram misses, the last step before ``max_tokens``).
 - per-position acceptance: P(draft k accepted | a draft at position k was proposed), k = 1..B-1,
   from the engine's ``Timings`` counters, which count a draft as accepted only if it was
-  returned: drafts after an EOS/stop inside the last step count as rejected.
-- histogram: ``histogram[j]`` = verify steps that returned ``j + 1`` tokens, j = 0..B-1.
-  The last step of a sequence that ended on EOS or a stop string is left out of it
-  (``histogram_skipped``), and so out of τ: the stop cut its tokens (an EOS bonus leaves
-  0), so its length says nothing about the drafter.
-  ``sum(histogram) + histogram_skipped == verify_steps``.
+  produced by the rule above: drafts after the end inside the last step count as rejected.
+- histogram: ``histogram[j]`` = verify steps that produced ``j + 1`` tokens, j = 0..B-1;
+  ``sum(histogram) == verify_steps``.
 
     flashdraft eval --dataset humaneval --limit 20                 # packaged target + drafter
     flashdraft eval --target m.gguf --drafter d/ --dataset seed --temperature 0 --json
@@ -47,7 +47,7 @@ class AcceptanceStats:
     prompts: int = 0
     skipped_prompts: int = 0
     tokens: int = 0  # returned tokens, prefill's first token included
-    verify_tokens: int = 0  # returned by the verify steps counted in the histogram
+    verify_tokens: int = 0  # produced by the verify steps (Timings.verify_n)
     verify_steps: int = 0
     drafted_steps: int = 0
     draft_n: int = 0
@@ -58,7 +58,6 @@ class AcceptanceStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)
-    histogram_skipped: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
     def add_counts(self, dst: list[int], src: list[int]) -> None:
@@ -91,7 +90,6 @@ class AcceptanceStats:
             "per_position_acceptance": [_ratio(a, d) if d else None for a, d in zip(accepted, drafted)],
             "per_position_drafted": drafted,
             "histogram": self.histogram + [0] * (block_size - len(self.histogram)),
-            "histogram_skipped": self.histogram_skipped,
             "prompt_tokens": self.prompt_tokens,
             "prompt_ms": round(self.prompt_ms, 3),
             "decode_ms": round(self.decode_ms, 3),
@@ -169,16 +167,11 @@ def _run_one(generator: SpeculativeGenerator, ids: list[int], max_tokens: int, p
              ignore_eos: bool, stats: AcceptanceStats) -> None:
     """One prompt: step lengths go to the histogram, the final Timings to the counters."""
     steps = list(generator.generate(ids, max_tokens, params, ignore_eos=ignore_eos))
-    # steps[0] is the prefill's token; every later Step is exactly one verify step
     last = steps[-1]
-    for step in steps[1:]:
-        stats.verify_steps += 1
-        if step is last and last.finish_reason == "stop":
-            stats.histogram_skipped += 1  # cut by EOS / a stop string: true length unknown
-        else:
-            stats.verify_tokens += len(step.token_ids)
-            stats.add_step_length(len(step.token_ids))
     t = last.timings
+    stats.verify_steps += t.n_steps - 1  # the prefill's token is not a verify step
+    stats.verify_tokens += t.verify_n
+    stats.add_counts(stats.histogram, t.step_hist)
     stats.prompts += 1
     stats.tokens += t.predicted_n
     stats.drafted_steps += t.n_drafts
@@ -212,8 +205,7 @@ def format_report(result: dict) -> str:
         lines.append("  P(accept k)     " + "".join(f"{a:>6.2f}" if a is not None else f"{'-':>6}" for a in accept))
     hist = r["histogram"]
     lines.append("  tokens/step     " + "".join(f"{n:>6}" for n in range(1, len(hist) + 1)))
-    lines.append("  verify steps    " + "".join(f"{c:>6}" for c in hist)
-                 + (f"   (+{r['histogram_skipped']} cut by a stop)" if r["histogram_skipped"] else ""))
+    lines.append("  verify steps    " + "".join(f"{c:>6}" for c in hist))
     return "\n".join(lines)
 
 

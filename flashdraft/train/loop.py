@@ -40,6 +40,20 @@ log = logging.getLogger(__name__)
 SMOLLM2_MASK_TOKEN_ID = 16
 
 
+def shipped_block_size() -> int:
+    """The block size of the drafter shipped for the packaged target (its ``config.json``):
+    ``flashdraft train``'s default, so a new drafter matches what ships.
+
+    Raises:
+        FileNotFoundError: the shipped drafter is missing from this install.
+    """
+    import json
+
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR
+
+    return int(json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())["block_size"])
+
+
 @dataclass
 class TrainConfig:
     """Hyper-parameters (defaults: the CPU recipe recorded in the shipped model card)."""
@@ -242,7 +256,8 @@ class Trainer:
         mask = self._mask_token_id()
         n_layers = cfg.num_layers or 1
         layer_ids = cfg.feature_layer_ids or build_target_layer_ids(t.num_layers, cfg.num_feature_layers or 3)
-        config = drafter_config_for_target(t.config, n_layers, cfg.block_size or 16, mask, layer_ids)
+        config = drafter_config_for_target(t.config, n_layers, cfg.block_size or shipped_block_size(), mask,
+                                           layer_ids)
         model = DFlashDraftModel(config)
         # the last target layers map hidden states into the LM head's input space
         init = cfg.init_layers or list(range(t.num_layers - n_layers, t.num_layers))
@@ -382,7 +397,7 @@ class Trainer:
             for p in load_prompt_set(name, limit=self.cfg.eval_prompts):
                 ids = self.target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])
                 _, _, _, t = generate_text(gen, ids, self.cfg.eval_tokens, SamplingParams())
-                produced, steps = produced + t.predicted_n, steps + t.n_steps
+                produced, steps = produced + t.verify_n, steps + t.n_steps - 1
             result[f"tau_{name}"] = round(produced / max(1, steps), 4)
         self.drafter.train(was_training).requires_grad_(True)
         self.target.set_feature_layers(self.drafter.target_layer_ids)

@@ -311,24 +311,27 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flashdraft.train.regen",
+    from flashdraft.cli import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog="python -m flashdraft.train.regen", formatter_class=HelpFormatter,
                                  description="Regenerate training answers with the target (packed, resumable).")
     ap.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     ap.add_argument("--model", default=None, help="target (default: packaged SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap in tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=64)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--top-k", type=int, default=64, help="top-k at temperature > 0")
+    ap.add_argument("--top-p", type=float, default=0.95, help="top-p at temperature > 0")
     ap.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
-    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="target weights")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     from flashdraft.cli import add_backend_argument
 
     add_backend_argument(ap)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--limit", type=int, default=None, help="only the first N training prompts")
     ap.add_argument("--offset", type=int, default=0, help="skip the first N training prompts")
-    ap.add_argument("--code-share", type=float, default=CODE_SHARE)
+    ap.add_argument("--code-share", type=float, default=CODE_SHARE,
+                    help="share of coding prompts among the training prompts")
     ap.add_argument("--no-features", action="store_true", help="do not store context features beside the shards")
     return ap
 

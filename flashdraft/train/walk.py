@@ -77,7 +77,9 @@ def walk_answer(response: Sequence[int], propose: Proposer, n_draft: int, max_to
         new = drafts[:n_acc] + ([response[i + 1 + n_acc]] if i + 1 + n_acc < len(response) else [])
         # 3. stops: count only what would be returned
         kept = []
+        produced = 0  # Timings.verify_n's rule: through the token that ended the answer, EOS included
         for tok in new:
+            produced += 1
             if tok in eos:
                 finish = "stop"
                 break
@@ -87,13 +89,10 @@ def walk_answer(response: Sequence[int], propose: Proposer, n_draft: int, max_to
                 finish = "length"
                 break
         stats.verify_steps += 1
-        if finish == "stop":
-            stats.histogram_skipped += 1  # cut by EOS: its true length is unknown
-        else:
-            stats.verify_tokens += len(kept)
-            stats.add_step_length(len(kept))
+        stats.verify_tokens += produced
+        stats.add_step_length(produced)
         if n:
-            counted = min(n_acc, len(kept))
+            counted = min(n_acc, produced)
             stats.drafted_steps += 1
             stats.draft_n += n
             stats.draft_n_accepted += counted
