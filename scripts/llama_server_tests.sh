@@ -2,13 +2,19 @@
 # Run llama.cpp's own server test suite (tools/server/tests) against flashdraft.
 #
 #   scripts/llama_server_tests.sh [LLAMA_CPP_GIT_DIR] [-- PYTEST_ARGS...]
+#   LCPP_SRC_DIR=DIR scripts/llama_server_tests.sh [-- PYTEST_ARGS...]
 #
 # LLAMA_CPP_GIT_DIR: a (bare) git dir of llama.cpp or of a fork holding the commit below
-# (also $LLAMA_CPP_GIT_DIR). Each test starts "llama-server" through
+# (also $LLAMA_CPP_GIT_DIR). Or, without git, LCPP_SRC_DIR: a folder already holding
+# llama.cpp's files at their repository paths (a checkout, an unpacked source archive):
+# tools/server/tests, and, for the tests that read them, models/templates and
+# tools/mtmd/test-1.jpeg. They are copied; the folder is not changed. Each test starts "llama-server" through
 # scripts/llama_server_shim.py, which serves flashdraft's packaged default model with the
 # test's other flags unchanged (see that file).
 #
 # Environment (defaults in brackets):
+#   LCPP_SRC_DIR       llama.cpp files to test instead of a git dir's commit (see above); the
+#                      commit they come from is then up to you (name it in your results)
 #   LLAMA_CPP_COMMIT   llama.cpp commit to test [27df9199d16c393868d20b3ed28b4f72e30de6bd,
 #                      upstream master 2026-08-15, "fix: check gguf array type before reading (#27075)"]
 #   LCPP_WORK          where the tests are extracted and results written [/tmp/lcpp-tests]
@@ -18,6 +24,7 @@
 #   PORT               server port the tests use (upstream utils.py reads it) [18080]
 #   LCPP_TEST_TIMEOUT  pytest-timeout per test, seconds [900]
 #   LCPP_START_TIMEOUT seconds a server may take to answer /health 200 [300; upstream: 60]
+#   FLASHDRAFT_PYTHON  the Python that runs flashdraft's server [this checkout's .venv/bin/python]
 #   LCPP_FLASHDRAFT_REV  a flashdraft commit to test instead of the working tree: it is
 #                      extracted (git archive) to $LCPP_WORK/flashdraft and the server runs
 #                      from there with this checkout's .venv, so edits made to the working
@@ -51,11 +58,16 @@ export PORT=${PORT:-18080}
 LCPP_TEST_TIMEOUT=${LCPP_TEST_TIMEOUT:-900}
 export LCPP_START_TIMEOUT=${LCPP_START_TIMEOUT:-300}
 
-if [[ -z "$LLAMA_CPP_GIT_DIR" ]]; then
-    echo "usage: $0 LLAMA_CPP_GIT_DIR [-- PYTEST_ARGS...]  (or set LLAMA_CPP_GIT_DIR)" >&2
+LCPP_SRC_DIR=${LCPP_SRC_DIR:-}
+if [[ -n "$LCPP_SRC_DIR" ]]; then
+    if [[ ! -f "$LCPP_SRC_DIR/tools/server/tests/utils.py" ]]; then
+        echo "LCPP_SRC_DIR=$LCPP_SRC_DIR holds no tools/server/tests/utils.py" >&2
+        exit 2
+    fi
+elif [[ -z "$LLAMA_CPP_GIT_DIR" ]]; then
+    echo "usage: $0 LLAMA_CPP_GIT_DIR [-- PYTEST_ARGS...]  (or set LLAMA_CPP_GIT_DIR or LCPP_SRC_DIR)" >&2
     exit 2
-fi
-if ! git --git-dir="$LLAMA_CPP_GIT_DIR" cat-file -e "$LLAMA_CPP_COMMIT^{commit}" 2>/dev/null; then
+elif ! git --git-dir="$LLAMA_CPP_GIT_DIR" cat-file -e "$LLAMA_CPP_COMMIT^{commit}" 2>/dev/null; then
     echo "commit $LLAMA_CPP_COMMIT is not in $LLAMA_CPP_GIT_DIR" >&2
     exit 2
 fi
@@ -63,8 +75,19 @@ fi
 # 1. the tests, plus the upstream files they read by relative path (chat templates, a test image)
 rm -rf "$LCPP_WORK/src"
 mkdir -p "$LCPP_WORK/src"
-git --git-dir="$LLAMA_CPP_GIT_DIR" archive "$LLAMA_CPP_COMMIT" \
-    tools/server/tests models/templates tools/mtmd/test-1.jpeg 2> "$LCPP_WORK/archive.err" | tar x -C "$LCPP_WORK/src"
+if [[ -n "$LCPP_SRC_DIR" ]]; then
+    for part in tools/server/tests models/templates tools/mtmd/test-1.jpeg; do
+        if [[ -e "$LCPP_SRC_DIR/$part" ]]; then
+            mkdir -p "$LCPP_WORK/src/$(dirname "$part")"
+            cp -R "$LCPP_SRC_DIR/$part" "$LCPP_WORK/src/$part"
+        else
+            echo "note: $LCPP_SRC_DIR/$part is missing; the tests that read it will fail" >&2
+        fi
+    done
+else
+    git --git-dir="$LLAMA_CPP_GIT_DIR" archive "$LLAMA_CPP_COMMIT" \
+        tools/server/tests models/templates tools/mtmd/test-1.jpeg 2> "$LCPP_WORK/archive.err" | tar x -C "$LCPP_WORK/src"
+fi
 TESTS="$LCPP_WORK/src/tools/server/tests"
 
 cat > "$TESTS/unit/conftest.py" <<'EOF'
@@ -126,13 +149,17 @@ fi
         echo "flashdraft: working tree of $ROOT at $(git -C "$ROOT" rev-parse HEAD); changes at start:"
         git -C "$ROOT" status --short
     fi
-    echo "llama.cpp: $LLAMA_CPP_COMMIT"
+    if [[ -n "$LCPP_SRC_DIR" ]]; then
+        echo "llama.cpp: files of $LCPP_SRC_DIR"
+    else
+        echo "llama.cpp: $LLAMA_CPP_COMMIT"
+    fi
     echo "started: $(date -u +%FT%TZ)"
 } > "$LCPP_WORK/flashdraft.txt"
 
 export LLAMA_SERVER_BIN_PATH="$ROOT/scripts/llama_server_shim.py"
 export FLASHDRAFT_ROOT="$SERVE_ROOT"
-export FLASHDRAFT_PYTHON="$ROOT/.venv/bin/python"
+export FLASHDRAFT_PYTHON="${FLASHDRAFT_PYTHON:-$ROOT/.venv/bin/python}"
 export FLASHDRAFT_SHIM_LOG="$LCPP_WORK/shim.log"
 : > "$FLASHDRAFT_SHIM_LOG"
 chmod +x "$LLAMA_SERVER_BIN_PATH"

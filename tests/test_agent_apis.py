@@ -148,6 +148,14 @@ def test_messages_forced_tool_call_and_round_trip(claude):
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": "object"}]},
      "input_schema"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "Show me the file."},  # an image inside a tool's result
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read",
+                                                      "input": {"file": "a.png"}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                       {"type": "text", "text": "File: a.png"},
+                       {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                    "data": "iVBORw0KGgo="}},
+                   ]}]}]}, "image input is not supported"),
 ])
 def test_bad_messages_requests_are_400_in_anthropics_shape(server, claude, body, words):
     r = httpx.post(server.url + "/v1/messages", json={"max_tokens": 8, **body}, timeout=60)

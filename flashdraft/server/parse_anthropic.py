@@ -16,7 +16,9 @@ The Messages body becomes the same internal chat request as an OpenAI chat body:
   (the ``anthropic`` SDK sends the sampling fields through ``extra_body``).
 
 As llama-server, ``max_tokens`` may be left out (the server's ``-n``) and an empty
-``messages`` list is answered. Images, documents and server tools are refused with a 400.
+``messages`` list is answered. Images and documents, in a message or inside a
+``tool_result``, and server tools are refused with a 400 ("image input is not supported",
+llama-server's words for a model without vision; it answers 500).
 
 Source: Anthropic, "Messages" API reference (docs.anthropic.com/en/api/messages).
 """
@@ -213,6 +215,12 @@ def _tool_result(block: dict, at: str, calls: set[str]) -> ChatMessage:
         raise bad_request(f"{at}: tool_result answers tool_use_id {call_id!r}, but no earlier assistant message "
                           "has a tool_use block with that id", param=f"{at}.tool_use_id")
     content = block.get("content", "")
+    if isinstance(content, list):  # an image in a tool's result (a screenshot, a file read) is refused as above
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image", "document"):
+                raise bad_request(f"{at}.content.{k}: {kind} input is not supported: this server serves text "
+                                  "models only", param=f"{at}.content.{k}")
     text = content if isinstance(content, str) else _text(content, f"{at}.content") if isinstance(content, list) \
         else None
     if text is None:
