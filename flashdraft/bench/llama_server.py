@@ -45,7 +45,7 @@ LLAMA_SERVER_PEERS = ("llama-server", "llama-server-lookup", "llama-server-dflas
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BINARY_ENV = "FLASHDRAFT_LLAMA_SERVER"
 INSTALL_HINT = ("make llama-peer: builds llama-server from llama-cpp-python "
-                f"{LLAMA_CPP_PYTHON_VERSION}'s llama.cpp (~20 min on 2 cores), or set ${BINARY_ENV}")
+                f"{LLAMA_CPP_PYTHON_VERSION}'s llama.cpp (~13 min on 2 cores), or set ${BINARY_ENV}")
 #: llama-server's n-gram mode kept for ``llama-server-lookup`` (see the module docstring)
 LOOKUP_TYPE = "ngram-simple"
 #: seconds to wait for the server to load the model and answer ``/health``

@@ -40,6 +40,8 @@ from flashdraft.bench.measure import Generation, SpecCounts
 from flashdraft.sampling import SamplingParams
 
 ZLAB_PEERS = ("zlab", "zlab-dflash")
+#: transformers targets loaded for z-lab's loop when the bench's target runs on llama.cpp, by ``-m``
+_OWN_TARGETS: dict[str | None, torch.nn.Module] = {}
 ZLAB_INSTALL = "pip install --no-deps dflash==0.1.0 (the `zlab` extra; --no-deps keeps torch and transformers)"
 
 
@@ -123,11 +125,16 @@ class ZLabContender(Contender):
     constraint_note = "z-lab's dflash_generate takes no grammar"
 
     def __init__(self, name: str, hf_model, eos_ids: set[int], decode, drafter, drafting: bool,
-                 note: str | None = None):
+                 note: str | None = None, shared_target=None):
         self.name, self.hf_model, self.eos_ids, self.decode = name, hf_model, eos_ids, decode
-        self.drafter, self.drafting = drafter, drafting
+        self.drafter, self.drafting, self.shared_target = drafter, drafting, shared_target
         self.block_size = int(drafter.block_size) if drafting else 1
         self.description = DESCRIPTIONS[name] + (f"; {note}" if note else "")
+
+    def activate(self) -> None:
+        # on the torch backend the model is our engine's too: its feature hooks would only add work
+        if self.shared_target is not None:
+            self.shared_target.set_feature_layers(None)
 
     def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
         from dflash.model import dflash_generate
@@ -173,9 +180,11 @@ def build_zlab(name: str, target, model: str | None, dflash_path: str | None, wo
 
     out, limits = export_zlab(dflash_path, work_dir / "zlab-drafter")
     drafter = load_zlab_drafter(out)
-    hf_model = getattr(target, "model", None)
+    hf_model, shared = getattr(target, "model", None), target
     if hf_model is None:  # the llama backend: z-lab's loop needs a transformers target
-        hf_model = load_hf_model(model, torch.float32)[0].eval()
+        if model not in _OWN_TARGETS:  # one copy for zlab and zlab-dflash
+            _OWN_TARGETS[model] = load_hf_model(model, torch.float32)[0].eval()
+        hf_model, shared = _OWN_TARGETS[model], None
     eos, drafting = set(target.eos_token_ids), name == "zlab-dflash"
     note = "; ".join(limits) if drafting else "block_size=1: the target alone in z-lab's loop"
-    return ZLabContender(name, hf_model, eos, target.decode, drafter, drafting, note or None)
+    return ZLabContender(name, hf_model, eos, target.decode, drafter, drafting, note or None, shared_target=shared)
