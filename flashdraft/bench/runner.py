@@ -323,7 +323,6 @@ def run(args, target=None) -> int:
     Raises:
         ValueError: bad flags, unknown configurations or prompt sets, nothing to run.
     """
-    from flashdraft.bench import report
     from flashdraft.threads import apply_threads, describe
 
     args.threads_used, why = apply_threads(args.threads)
@@ -362,9 +361,10 @@ def run(args, target=None) -> int:
         close_all(contenders)
 
 
-#: peers that, asked for and unable to run, become a row with their error instead of stopping
-#: the bench: the comparison with llama.cpp's server is the point of a run that asks for them
-REPORTED_IF_MISSING = ("llama-server", "llama-server-lookup", "llama-server-dflash")
+#: peers that, asked for by ``--peers`` and unable to run (no binary, a server that does not
+#: start, a drafter that does not load), become a table row with their error instead of
+#: stopping the bench: the rest of the comparison still stands and the row says what failed
+REPORTED_IF_MISSING = ("llama-server", "llama-server-lookup", "llama-server-dflash", "zlab", "zlab-dflash")
 
 
 def close_all(contenders: list) -> None:
@@ -377,6 +377,7 @@ def close_all(contenders: list) -> None:
 
 def _run_contenders(args, contenders: list, prompts: list[BenchPrompt], temperatures: list[float],
                     sets: list[str]) -> int:
+    """Warm up, run and report ``contenders`` (the body of :func:`run`, whose caller stops them)."""
     from flashdraft.bench import report
 
     contenders = warm_up(contenders, prompts, args.warmup_tokens)
