@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup serve test clean llama-peer llama
+.PHONY: setup serve test clean llama-peer llama zlab-peer
 
 setup: $(STAMP)
 
@@ -24,14 +24,16 @@ $(STAMP): pyproject.toml
 # llama.cpp's kernels for the target (--backend llama), built for AVX2/FMA/F16C without
 # -march=native: the same code on every x86-64 CPU since 2013, AVX512 and AMX machines
 # included (docs/performance.md, "The llama backend"); then a short decode in a child process
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+LLAMA_CPU_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+	-DLLAMA_BUILD_SERVER=OFF $(LLAMA_CPU_ARGS)
 llama:
 	test -x $(BIN)/python || $(MAKE) setup
 	@$(BIN)/python -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python already installed" || { \
 	  start=$$(date +%s); \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python==0.3.36' \
+	    $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)' \
 	  && echo "built llama-cpp-python in $$(( $$(date +%s) - start )) s"; }
 	$(BIN)/python -m flashdraft.targets.binding
 
@@ -39,9 +41,18 @@ llama:
 serve: setup
 	$(BIN)/flashdraft serve --spec-type dflash $(ARGS)
 
-# the llama.cpp peer for `flashdraft bench --peers llama`: the same llama-cpp-python `make setup` builds
-llama-peer: setup
-	$(MAKE) llama
+# the llama-server peers (`flashdraft bench --peers llama-server`): llama-server built from the
+# llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON_VERSION) vendors (the llama backend's sources), with the
+# same CPU flags, into ~/.cache/flashdraft/llama-server/; ~20 min on 2 cores, so not part of setup
+llama-peer:
+	test -x $(BIN)/python || $(MAKE) setup
+	scripts/build_llama_server.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION) "$(LLAMA_CPU_ARGS)"
+
+# z-lab's reference DFlash loop for `flashdraft bench --peers zlab`; --no-deps: its pins
+# (tqdm, datasets, requests) are not needed by the loop and would move this venv's packages
+zlab-peer:
+	test -x $(BIN)/python || $(MAKE) setup
+	$(BIN)/pip install -q --no-deps 'dflash==0.1.0'
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -33,7 +33,7 @@ SUMMARY_KEYS = {"prompt_set", "temperature", "config", "runs", "errors", "prompt
                 "decode_tokens_per_s", "speedup", "ttft_ms", "decode_source", "acceptance_length", "draft_n",
                 "draft_n_accepted", "acceptance_rate", "per_position_acceptance", "accepted_hist",
                 "same_as_baseline", "constrained", "schema_violations", "grammar_ms_per_token", "grammar_share",
-                "grammar_ms_per_token_by_role"}
+                "grammar_ms_per_token_by_role", "same_as_own_plain"}
 
 
 def _save(path, seed: int, layers: int):
@@ -268,3 +268,16 @@ def test_peers_add_their_configurations_and_an_absent_peer_says_how_to_install(f
                   "--max-tokens", "4", "--repeats", "1", "--threads", "1") == 1
     err = capsys.readouterr().err
     assert "--peers" in err and "llama-cpp-python" in err
+
+
+def test_a_llama_server_peer_that_cannot_run_is_a_row_with_its_error(files, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHDRAFT_LLAMA_SERVER", str(tmp_path / "absent" / "llama-server"))
+    out = tmp_path / "r.json"
+    assert _bench("-m", files["target"], "--configs", "none", "--peers", "llama-server", "--prompts", files["prompts"],
+                  "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--warmup-tokens", "0",
+                  "--json-out", str(out)) == 0
+    report = capsys.readouterr().out
+    for name in ("llama-server", "llama-server-lookup", "llama-server-dflash"):
+        assert f"| {name}: not run (no llama-server binary (make llama-peer" in report
+    configs = {c["name"]: c for c in json.loads(out.read_text())["configs"]}
+    assert not configs["llama-server-dflash"]["available"] and "make llama-peer" in configs["llama-server-dflash"]["reason"]

@@ -181,3 +181,31 @@ def test_rope_parameters_and_sharded_weights(tmp_path, config, state_dict):
     got_config, got = load_dflash_checkpoint(d)
     assert got_config["rope_theta"] == 10000.0
     _assert_same_tensors(got, state_dict, atol=0)
+
+
+def test_gguf_for_llama_cpp_carries_the_targets_tokenizer_and_head_rows(tmp_path, config, state_dict):
+    import numpy as np
+
+    from tiny import VOCAB
+    from tiny_gguf import write_tiny_gguf
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", hidden=H)
+    config = {**config, "vocab_size": VOCAB, "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}}
+    gen = torch.Generator().manual_seed(1)
+    state = {n: torch.randn(s, generator=gen) for n, s in dflash_weight_shapes(config).items()}
+    state["d2t"] = torch.tensor([3, 1, 40, 7], dtype=torch.int64)
+    path = tmp_path / "up.gguf"
+    save_gguf(path, config, state, arch="dflash", target_gguf=target)
+
+    r, t = gguf.GGUFReader(path), gguf.GGUFReader(target)
+    assert r.fields["tokenizer.ggml.tokens"].contents() == t.fields["tokenizer.ggml.tokens"].contents()
+    assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert r.fields["tokenizer.ggml.mask_token_id"].contents() == VOCAB - 1
+    head = {x.name: x for x in r.tensors}["output.weight"]
+    want = np.asarray({x.name: x for x in t.tensors}["output.weight"].data)[[3, 1, 40, 7]]
+    np.testing.assert_array_equal(np.asarray(head.data), want)
+    got_config, got = load_dflash_checkpoint(path)  # our loader ignores the head, keeps d2t
+    assert got["d2t"].tolist() == [3, 1, 40, 7] and "output.weight" not in got
+
+    with pytest.raises(ValueError, match="vocabulary has 64 tokens"):
+        save_gguf(tmp_path / "bad.gguf", {**config, "vocab_size": 1000}, state, arch="dflash", target_gguf=target)

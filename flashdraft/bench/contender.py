@@ -9,7 +9,13 @@ from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
 ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
-               "llamacpp", "llamacpp-lookup")
+               "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
+               "zlab", "zlab-dflash")
+
+#: a peer's own plain decoding: its greedy text is compared with that configuration's too
+OWN_PLAIN = {"llamacpp-lookup": "llamacpp", "llama-server-lookup": "llama-server",
+             "llama-server-dflash": "llama-server", "zlab-dflash": "zlab", "hf-lookup": "hf", "hf-dflash": "hf",
+             "hf-draft": "hf"}
 
 DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
@@ -26,6 +32,11 @@ DESCRIPTIONS = {
     "hf-draft": "transformers generate(assistant_model=<draft model>)",
     "llamacpp": "llama.cpp (llama-cpp-python) on the same GGUF",
     "llamacpp-lookup": "llama.cpp (llama-cpp-python) with LlamaPromptLookupDecoding",
+    "llama-server": "llama.cpp's llama-server on the same GGUF, plain decoding",
+    "llama-server-lookup": "llama-server with its prompt-lookup (n-gram) speculative mode",
+    "llama-server-dflash": "llama-server --spec-type draft-dflash with our DFlash drafter",
+    "zlab": "z-lab's dflash_generate (dflash 0.1.0) on the transformers target, block_size=1 (no drafts)",
+    "zlab-dflash": "z-lab's dflash_generate (dflash 0.1.0) with our drafter in its DFlashDraftModel",
 }
 
 

@@ -9,6 +9,9 @@
 - ``llamacpp`` / ``llamacpp-lookup``: ``llama-cpp-python`` on the same GGUF file, plain and
   with its ``LlamaPromptLookupDecoding``.
 
+llama.cpp's own server (``llama-server*``) and z-lab's reference loop (``zlab*``) have their
+own modules: :mod:`flashdraft.bench.llama_server`, :mod:`flashdraft.bench.zlab`.
+
 transformers' speculative counters are not exposed by ``generate()``; they are rebuilt from
 what it does: a forward pre-hook on the target records each forward's input length
 (1 anchor + drafts, or prompt + drafts on the first one) and a streamer records how many

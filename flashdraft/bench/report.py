@@ -218,7 +218,7 @@ def _positions(p: list | None) -> str:
 
 SUMMARY_HEADER = ("config", "prompt tok", "completion tok", "decode tok/s", "speedup", "TTFT ms", "τ",
                   "drafted", "accepted", "accept %", f"per-position accept % (1..{SHOWN_POSITIONS})",
-                  "same as baseline")
+                  "same as baseline", "same as own plain")
 
 
 def summary_header(rows: list[dict]) -> tuple[str, ...]:
@@ -226,7 +226,7 @@ def summary_header(rows: list[dict]) -> tuple[str, ...]:
     (``1..7`` for a block-8 drafter, at most :data:`SHOWN_POSITIONS`)."""
     shown = min(SHOWN_POSITIONS, max((len(r.get("per_position_acceptance") or []) for r in rows), default=0))
     column = f"per-position accept % (1..{shown})" if shown else "per-position accept %"
-    return SUMMARY_HEADER[:10] + (column,) + SUMMARY_HEADER[11:]
+    return SUMMARY_HEADER[:10] + (column,) + SUMMARY_HEADER[11:]  # keeps "same as own plain"
 
 
 def _row(s: dict, first: str) -> list[str]:
@@ -234,7 +234,7 @@ def _row(s: dict, first: str) -> list[str]:
     return [first, str(s["prompt_tokens"]), _num(s["completion_tokens"], "d"), _spread(s["decode_tokens_per_s"]),
             _spread(s["speedup"], ".2f"), _spread(s["ttft_ms"], ".0f"), _num(s["acceptance_length"], ".2f"),
             _num(s["draft_n"], ".0f"), _num(s["draft_n_accepted"], ".0f"), _num(rate, ".0f"),
-            _positions(s["per_position_acceptance"]), _same(s["same_as_baseline"])]
+            _positions(s["per_position_acceptance"]), _same(s["same_as_baseline"]), _same(s.get("same_as_own_plain"))]
 
 
 GRAMMAR_HEADER = ("config", "decode tok/s", "speedup", "τ", "mask ms/token", "mask % of time",
@@ -268,9 +268,12 @@ def markdown(summary: list[dict], per_prompt: list[dict], contenders: list[Conte
     groups: dict[tuple, list[dict]] = {}
     for s in summary:
         groups.setdefault((s["prompt_set"], s["temperature"]), []).append(s)
+    # a configuration that could not run is still a row of every table, with its reason
+    missing_rows = [[f"{c.name}: not run ({c.reason})"] + ["–"] * (len(SUMMARY_HEADER) - 1)
+                    for c in contenders if isinstance(c, Unavailable)]
     for (pset, temp), rows in groups.items():
         out += [f"### {pset}, temperature {temp:g}", ""]
-        out += _table(summary_header(rows), [_row(s, s["config"]) for s in rows])
+        out += _table(summary_header(rows), [_row(s, s["config"]) for s in rows] + missing_rows)
         errors = [f"{s['config']}: {s['errors']} of {s['runs']} runs failed" for s in rows if s["errors"]]
         out += [""] + [f"- {e}" for e in errors] + ([""] if errors else [])
         held = [s for s in rows if s["constrained"]]

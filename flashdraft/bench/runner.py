@@ -55,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
     p.add_argument("--peers", default=None, metavar="llama,hf",
                    help="add peer engines on the same target to --configs: llama = llamacpp + llamacpp-lookup "
-                        "(llama-cpp-python; `make setup` builds it, `make llama` alone), hf = transformers generate() and its "
-                        "assisted modes; same threads and prompts")
+                        "(llama-cpp-python; `make setup` builds it, `make llama` alone), llama-server = llama-server "
+                        "plain, -lookup and -dflash (`make llama-peer` builds it), hf = transformers generate() and its "
+                        "assisted modes, zlab = z-lab's dflash_generate with and without our drafter; same threads and prompts")
     p.add_argument("--prompts", default="seed",
                    help="comma-separated prompt sets: seed, humaneval, sharegpt-heldout, random (random letters, "
                         "a worst case for drafting), json-schema (answers held to a JSON schema) or FILE.jsonl "
@@ -95,7 +96,9 @@ def _split(text: str) -> list[str]:
 
 
 #: ``--peers`` names -> the peer configurations they add
-PEER_GROUPS = {"llama": ("llamacpp", "llamacpp-lookup"), "hf": ("hf", "hf-lookup", "hf-dflash", "hf-draft")}
+PEER_GROUPS = {"llama": ("llamacpp", "llamacpp-lookup"), "hf": ("hf", "hf-lookup", "hf-dflash", "hf-draft"),
+               "llama-server": ("llama-server", "llama-server-lookup", "llama-server-dflash"),
+               "zlab": ("zlab", "zlab-dflash")}
 
 
 def parse_configs(text: str | None, peers: str | None = None) -> list[str]:
@@ -183,10 +186,15 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     that fails while loading raises when it was asked for by name (``explicit``), else is
     reported as unavailable too.
     """
+    import tempfile
+    from pathlib import Path
+
     import torch
 
+    from flashdraft.bench.llama_server import LLAMA_SERVER_PEERS, build_llama_server
     from flashdraft.bench.ours import build_ours, dflash_drafter_path, is_ours
     from flashdraft.bench.peers import HF_PEERS, LLAMACPP_PEERS, build_hf, build_llamacpp
+    from flashdraft.bench.zlab import ZLAB_PEERS, build_zlab
     from flashdraft.cli import engine_config
 
     base = engine_config(args)
@@ -201,6 +209,10 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
                 built = build_hf(name, target, base, args.draft_model, dflash_path)
             elif name in LLAMACPP_PEERS:
                 built = build_llamacpp(name, target, args.model, base, threads)
+            elif name in LLAMA_SERVER_PEERS:  # failures come back as Unavailable with the error
+                built = build_llama_server(name, target, args.model, threads, base.ctx_size, dflash_path)
+            elif name in ZLAB_PEERS:
+                built = build_zlab(name, target, args.model, dflash_path, Path(tempfile.mkdtemp(prefix="flashdraft-zlab-")))
             else:
                 raise ValueError(f"unknown configuration {name}")
         except Exception as e:  # noqa: BLE001 - one peer failing to load must not hide the others
@@ -312,7 +324,6 @@ def run(args, target=None) -> int:
     Raises:
         ValueError: bad flags, unknown configurations or prompt sets, nothing to run.
     """
-    from flashdraft.bench import report
     from flashdraft.threads import apply_threads, describe
 
     args.threads_used, why = apply_threads(args.threads)
@@ -340,9 +351,36 @@ def run(args, target=None) -> int:
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
         asked = {c for p in _split(args.peers or "") for c in PEER_GROUPS[p]}
-        missing = [f"{c.name}: {c.reason}" for c in contenders if c.name in asked and isinstance(c, Unavailable)]
+        missing = [f"{c.name}: {c.reason}" for c in contenders if c.name in asked and isinstance(c, Unavailable)
+                   and c.name not in REPORTED_IF_MISSING]
         if missing:  # a peer asked for by --peers must run (or say why it cannot)
+            close_all(contenders)
             raise ValueError("--peers: " + "; ".join(missing))
+    try:
+        return _run_contenders(args, contenders, prompts, temperatures, sets)
+    finally:
+        close_all(contenders)
+
+
+#: peers that, asked for by ``--peers`` and unable to run (no binary, a server that does not
+#: start, a drafter that does not load), become a table row with their error instead of
+#: stopping the bench: the rest of the comparison still stands and the row says what failed
+REPORTED_IF_MISSING = ("llama-server", "llama-server-lookup", "llama-server-dflash", "zlab", "zlab-dflash")
+
+
+def close_all(contenders: list) -> None:
+    """Stop what configurations hold outside this process (llama-server children)."""
+    for c in contenders:
+        close = getattr(c, "close", None)
+        if close is not None:
+            close()
+
+
+def _run_contenders(args, contenders: list, prompts: list[BenchPrompt], temperatures: list[float],
+                    sets: list[str]) -> int:
+    """Warm up, run and report ``contenders`` (the body of :func:`run`, whose caller stops them)."""
+    from flashdraft.bench import report
+
     contenders = warm_up(contenders, prompts, args.warmup_tokens)
     active = [c for c in contenders if not isinstance(c, Unavailable)]
     if not active:

@@ -80,7 +80,8 @@ def _pass_speed(runs: list[RunRecord]) -> float | None:
     return 1e3 * tokens / ms if tokens and ms > 0 else None
 
 
-def aggregate(runs: list[RunRecord], baseline_runs: list[RunRecord], is_baseline: bool) -> dict:
+def aggregate(runs: list[RunRecord], baseline_runs: list[RunRecord], is_baseline: bool,
+              plain_runs: list[RunRecord] | None = None) -> dict:
     """Numbers for one group of runs (one configuration on a prompt set, or on one prompt).
 
     Args:
@@ -88,6 +89,9 @@ def aggregate(runs: list[RunRecord], baseline_runs: list[RunRecord], is_baseline
         baseline_runs: the baseline configuration's runs on the same prompts/temperature.
         is_baseline: this group *is* the baseline (equality is then checked against its
             own first repeat: a determinism check).
+        plain_runs: a peer's own plain decoding on the same prompts (``OWN_PLAIN``), whose
+            greedy output its drafting mode should reproduce; ``same_as_own_plain`` is None
+            without them.
     """
     ok = [r for r in runs if r.ok]
     by_repeat, base_by_repeat = defaultdict(list), defaultdict(list)
@@ -117,6 +121,7 @@ def aggregate(runs: list[RunRecord], baseline_runs: list[RunRecord], is_baseline
     out.update(_spec_summary(ok, len(by_repeat)))
     out.update(_grammar_summary(ok, by_repeat))
     out["same_as_baseline"] = _equality(ok, baseline_runs, is_baseline)
+    out["same_as_own_plain"] = _equality(ok, plain_runs, False) if plain_runs else None
     return out
 
 
@@ -212,6 +217,8 @@ def summarize(records: list[RunRecord], configs: list[str], baseline: str | None
                           (order_prompts[r.prompt_set], r.prompt_id)):
             if item not in seq:
                 seq.append(item)
+    from flashdraft.bench.contender import OWN_PLAIN
+
     summary, per_prompt = [], []
     for s in order_sets:
         for t in order_temps:
@@ -220,10 +227,12 @@ def summarize(records: list[RunRecord], configs: list[str], baseline: str | None
                 runs = groups.get((s, t, c))
                 if not runs:
                     continue
+                plain_all = groups.get((s, t, OWN_PLAIN.get(c)), [])
                 key = {"prompt_set": s, "temperature": t, "config": c}
-                summary.append({**key, **aggregate(runs, base_all, c == baseline)})
+                summary.append({**key, **aggregate(runs, base_all, c == baseline, plain_all)})
                 for p in order_prompts[s]:
                     mine = [r for r in runs if r.prompt_id == p]
                     theirs = [r for r in base_all if r.prompt_id == p]
-                    per_prompt.append({**key, "prompt_id": p, **aggregate(mine, theirs, c == baseline)})
+                    plain = [r for r in plain_all if r.prompt_id == p]
+                    per_prompt.append({**key, "prompt_id": p, **aggregate(mine, theirs, c == baseline, plain)})
     return summary, per_prompt

@@ -28,6 +28,15 @@ Format sources (read, not copied): z-lab/dflash ``dflash/model.py`` and SpecForg
    ``flashdraft.model_type`` / ``flashdraft.num_target_layers`` (llama.cpp ignores unknown keys)
    and fall back to ``"qwen3"`` and ``max(target_layer_ids) + 3`` (exact for z-lab's default spread,
    which ends at layer L-3) for files written by others.
+6. llama.cpp (``src/models/dflash.cpp``, ``common/speculative.cpp`` in llama-cpp-python 0.3.36's
+   vendored sources) loads the drafter file as a model of its own: it reads the vocabulary and
+   the mask id from the file's ``tokenizer.*`` keys and refuses a draft whose vocabulary differs
+   from the target's, so upstream's converter copies the target's tokenizer in
+   (``--target-model-dir``). With a ``d2t`` it projects with the file's own ``output.weight`` of
+   ``V_draft`` rows (the target's LM head would give 49k rows and fail its ``d2t`` size check).
+   ``save_gguf(target_gguf=...)`` does both from the target's GGUF: its ``tokenizer.*`` keys and
+   its LM head rows ``d2t`` copied raw in the target's own quantisation (our engine projects with
+   exactly those rows, ``lm_head.weight[d2t]``). Our loader ignores ``output.weight``.
 """
 
 from __future__ import annotations
@@ -307,14 +316,25 @@ def save_specforge(out_dir: str | Path, config: dict, state_dict: dict[str, torc
 
 
 def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor],
-              arch: str = "dflash-draft", dtype: torch.dtype | str = torch.float16) -> None:
+              arch: str = "dflash-draft", dtype: torch.dtype | str = torch.float16,
+              target_gguf: str | Path | None = None) -> None:
     """Write a llama.cpp GGUF of ``arch`` ``"dflash-draft"`` (legacy forks) or ``"dflash"`` (upstream).
 
     Matrices are stored as ``dtype`` (torch.float32/float16/bfloat16, or ``"q8_0"``; a matrix whose
     rows do not split into Q8_0 blocks of 32 falls back to F16); norm vectors stay F32, ``d2t`` I64.
-    No tokenizer is written: llama.cpp takes it from the target. ``load_dflash_checkpoint``
-    reads the file back to the same config fields and tensors (to ``dtype`` precision).
-    Raises ValueError on an unknown arch or dtype, a bad config, or a bad state_dict.
+    ``load_dflash_checkpoint`` reads the file back to the same config fields and tensors (to
+    ``dtype`` precision).
+
+    Args:
+        target_gguf: the target model's GGUF. Its ``tokenizer.*`` keys are copied in and, for a
+            drafter with ``d2t``, its LM head rows ``d2t`` are written as ``output.weight`` in the
+            target's own quantisation (module note 6): what llama.cpp's ``draft-dflash`` needs to
+            load the file. None: no tokenizer, no head (our engine and the legacy forks take both
+            from the target).
+    Raises:
+        ValueError: an unknown arch or dtype, a bad config or state_dict, or a ``target_gguf``
+            whose vocabulary size is not the drafter's ``vocab_size`` or that has no LM head.
+        FileNotFoundError: ``target_gguf`` does not exist.
     """
     if arch not in GGUF_ARCHS:
         raise ValueError(f"unknown GGUF arch {arch!r}, expected one of {GGUF_ARCHS}")
@@ -322,6 +342,7 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
         raise ValueError(f"unsupported GGUF dtype {dtype!r}, expected one of {list(_GGUF_DTYPES)}")
     config = _normalize_config(config)
     _check_state_dict(config, state_dict, "state_dict")
+    target = _TargetParts(target_gguf, config["vocab_size"]) if target_gguf is not None else None
     qtype, file_type = _GGUF_DTYPES[dtype]
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     ids = config["dflash_config"]["target_layer_ids"]
@@ -354,6 +375,9 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
     else:
         w.add_uint32("dflash.block_size", config["block_size"])
         w.add_array("dflash.target_layers", [int(i) + 1 for i in ids])  # see module note 3
+    if target is not None:
+        target.add_tokenizer(w)  # before the mask id: the copy skips the target's own, if any
+    if arch == "dflash":
         w.add_mask_token_id(config["dflash_config"]["mask_token_id"])
 
     for name, gguf_name in _gguf_names(arch, config["num_hidden_layers"]).items():
@@ -366,6 +390,8 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
             w.add_tensor(gguf_name, tensor.float().numpy())
         else:
             _add_matrix(w, gguf_name, tensor.float().numpy(), qtype)
+    if target is not None and "d2t" in state_dict:
+        target.add_head_rows(w, state_dict["d2t"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -380,3 +406,49 @@ def _add_matrix(w: gguf.GGUFWriter, name: str, array: np.ndarray, qtype) -> None
         w.add_tensor(name, gguf.quants.quantize(array, qtype))
     else:  # BF16 / Q8_0: raw bytes, so the GGML type must be given explicitly
         w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+class _TargetParts:
+    """What a llama.cpp drafter file takes from the target's GGUF (module note 6).
+
+    Args:
+        path: the target's GGUF file.
+        vocab_size: the drafter's ``vocab_size``, which the target's vocabulary must match.
+    Raises:
+        FileNotFoundError / ValueError: see :func:`save_gguf`.
+    """
+
+    def __init__(self, path: str | Path, vocab_size: int):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no target GGUF at {path}")
+        self.path, self.reader = path, gguf.GGUFReader(path)
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"{path}: the target GGUF has no tokenizer (tokenizer.ggml.tokens)")
+        if len(tokens.data) != vocab_size:
+            raise ValueError(f"{path}: the target's vocabulary has {len(tokens.data)} tokens, "
+                             f"the drafter's vocab_size is {vocab_size}")
+
+    def add_tokenizer(self, w: gguf.GGUFWriter) -> None:
+        """Copy every ``tokenizer.*`` key except ``tokenizer.ggml.mask_token_id`` (the drafter's own)."""
+        for name, field in self.reader.fields.items():
+            if not name.startswith("tokenizer.") or name == "tokenizer.ggml.mask_token_id":
+                continue
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), vtype, sub)
+
+    def add_head_rows(self, w: gguf.GGUFWriter, d2t: torch.Tensor) -> None:
+        """``output.weight`` = the target's LM head rows ``d2t`` (``output.weight``, or the tied
+        ``token_embd.weight``), raw bytes in the target's own GGML type: each row holds whole
+        quantisation blocks, so rows copy without requantising."""
+        tensors = {t.name: t for t in self.reader.tensors}
+        head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        if head is None:
+            raise ValueError(f"{self.path}: the target GGUF has neither output.weight nor token_embd.weight")
+        rows = np.asarray(head.data)[d2t.to(torch.long).numpy()]  # [V_draft, bytes or values per row]
+        if head.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor("output.weight", np.ascontiguousarray(rows))
+        else:
+            w.add_tensor("output.weight", np.ascontiguousarray(rows), raw_dtype=head.tensor_type)

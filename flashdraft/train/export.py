@@ -12,6 +12,7 @@ An optional ``d2t`` tensor (reduced draft vocabulary: draft index -> target toke
     flashdraft convert drafter/ drafter.gguf                  # format from the .gguf suffix
     flashdraft convert drafter.gguf drafter-sf --to specforge --dtype bf16
     flashdraft convert drafter/ up.gguf --arch dflash --dtype q8_0
+    flashdraft convert drafter/ up.gguf --arch dflash --target target.gguf   # loads in llama-server
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def infer_format(dst: str | Path) -> str:
 
 
 def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str | Path, fmt: str,
-                    dtype: torch.dtype | str = torch.float16, arch: str = "dflash-draft") -> Path:
+                    dtype: torch.dtype | str = torch.float16, arch: str = "dflash-draft",
+                    target_gguf: str | Path | None = None) -> Path:
     """Write ``(config, state_dict)`` (canonical SpecForge names, see ``dflash_format``) as ``fmt``.
 
     Args:
@@ -48,23 +50,27 @@ def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str 
         dtype: storage type of floating weights: torch.float16/bfloat16/float32, or ``"q8_0"``
             (GGUF only). GGUF keeps norm vectors in F32 whatever ``dtype`` says.
         arch: GGUF arch, ``"dflash-draft"`` or ``"dflash"``; ignored for ``specforge``.
+        target_gguf: the target's GGUF, whose tokenizer (and LM head rows ``d2t``) a GGUF for
+            llama.cpp's ``draft-dflash`` needs (``dflash_format.save_gguf``); GGUF only.
     Returns:
         ``out`` as a Path.
     Raises:
         ValueError: unknown format/arch/dtype, ``q8_0`` for SpecForge, an existing file where a
-            SpecForge directory should go, or a config/state_dict that does not describe a
-            DFlash drafter.
+            SpecForge directory should go, a config/state_dict that does not describe a
+            DFlash drafter, a ``target_gguf`` for SpecForge or one whose vocabulary differs.
     """
     out = Path(out)
     if fmt not in FORMATS:
         raise ValueError(f"unknown drafter format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if target_gguf is not None and fmt != "gguf":
+        raise ValueError("--target applies to GGUF output only (a SpecForge drafter carries no tokenizer)")
     if fmt == "gguf":
         if arch not in GGUF_ARCHS:
             raise ValueError(f"unknown GGUF arch {arch!r}; choose from {', '.join(GGUF_ARCHS)}")
         if out.is_dir():
             raise ValueError(f"{out} is a directory; a GGUF drafter is a single file (e.g. {out}.gguf)")
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_gguf(out, config, state_dict, arch=arch, dtype=dtype)
+        save_gguf(out, config, state_dict, arch=arch, dtype=dtype, target_gguf=target_gguf)
         return out
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {dtype!r} exists only in GGUF; a SpecForge checkpoint takes f16, bf16 or f32")
@@ -102,12 +108,13 @@ def export_drafter(model: DFlashDraftModel, out: str | Path, fmt: str = "specfor
 
 
 def convert(src: str | Path, dst: str | Path, fmt: str | None = None, arch: str = "dflash-draft",
-            dtype: torch.dtype | str = torch.float16) -> Path:
+            dtype: torch.dtype | str = torch.float16, target_gguf: str | Path | None = None) -> Path:
     """Convert a drafter checkpoint (SpecForge dir or GGUF) to ``fmt`` at ``dst``.
 
     ``fmt=None`` infers it from ``dst`` (:func:`infer_format`). Tensors go through the
     canonical ``(config, state_dict)`` form, so ``d2t`` survives. GGUF sources load as float32
-    (dequantised), so converting a Q8_0 file keeps its quantisation error.
+    (dequantised), so converting a Q8_0 file keeps its quantisation error. ``target_gguf``: see
+    :func:`save_checkpoint`.
 
     Raises:
         FileNotFoundError: ``src`` does not exist.
@@ -124,7 +131,7 @@ def convert(src: str | Path, dst: str | Path, fmt: str | None = None, arch: str 
     if dst.resolve() == src.resolve():
         raise ValueError(f"source and destination are the same path: {src}")
     config, state = load_dflash_checkpoint(src)  # validates shapes; raises ValueError otherwise
-    return save_checkpoint(config, state, dst, fmt, dtype=dtype, arch=arch)
+    return save_checkpoint(config, state, dst, fmt, dtype=dtype, arch=arch, target_gguf=target_gguf)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,12 +144,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF arch: dflash-draft (llama.cpp forks, default) or dflash (upstream llama.cpp)")
     p.add_argument("--dtype", choices=list(DTYPES), default="f16",
                    help="weight type (default f16; q8_0 only for gguf)")
+    p.add_argument("--target", default=None, metavar="TARGET.gguf",
+                   help="the target model's GGUF: its tokenizer (and, for a reduced draft vocabulary, its LM head "
+                        "rows) go into the file, which llama-server's --spec-type draft-dflash needs (with --arch dflash)")
 
 
 def run(args) -> int:
     """``flashdraft convert``: prints the written path; errors raise ValueError/FileNotFoundError."""
     fmt = args.to or infer_format(args.dst)
-    out = convert(args.src, args.dst, fmt=fmt, arch=args.arch, dtype=DTYPES[args.dtype])
+    out = convert(args.src, args.dst, fmt=fmt, arch=args.arch, dtype=DTYPES[args.dtype], target_gguf=args.target)
     what = f"gguf ({args.arch}, {args.dtype})" if fmt == "gguf" else f"specforge ({args.dtype})"
     print(f"wrote {out} as {what}")
+    if fmt == "gguf" and args.arch == "dflash" and args.target is None:
+        print("note: without --target the file has no tokenizer; llama-server's draft-dflash will not load it")
     return 0
