@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashdraft.train.evaluate import AcceptanceStats
+from flashdraft.train.shards import read_shards
+from flashdraft.train.stats import AcceptanceStats
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,6 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
     caller computes them with a target forward).
     """
     from flashdraft.train.features import FeatureStore
-    from flashdraft.train.loop import read_shards
 
     seqs = read_shards(Path(directory))
     if limit is not None:
@@ -311,7 +311,6 @@ def walk_dataset(answers, proposer_for: Callable, n_draft: int, max_tokens: int,
 
 def reference_sequences(data_dirs) -> list[tuple[torch.Tensor, int]]:
     """``(ids, n_prompt)`` of the training answers in ``data_dirs`` (for the bigram table)."""
-    from flashdraft.train.loop import read_shards
 
     return [(ids, n) for d in data_dirs for _, ids, n in read_shards(Path(d))]
 
