@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashdraft.generate import Cancelled, ContextOverflowError, Step, Timings
 from flashdraft.server import responses as R
+from flashdraft.server.clients import REQUEST_CLIENT, client_of
 from flashdraft.server.errors import APIError, bad_request, internal_error
 from flashdraft.server.limits import check_request, over
 from flashdraft.server.request_fields import check_extra_fields
@@ -345,6 +346,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def body_of(request: Request, model):
         state.require_ready()
         req = parse_request(await read_body(request, state.settings.limits.body_bytes), model)
+        REQUEST_CLIENT.set(client_of(request.headers))  # read by make_job: the suffix drafter's key
         meta_model = state.check_model(req.model)
         check_extra_fields(req.model_extra)
         check_request(req, state.settings.limits)

@@ -10,6 +10,7 @@ from typing import Callable
 
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
+from flashdraft.server.clients import REQUEST_CLIENT
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.limits import Limits, over
 from flashdraft.server.metrics import ServerMetrics
@@ -312,7 +313,7 @@ class ServerState:
                              s.ignore_eos if req.ignore_eos is None else req.ignore_eos,
                              cache_prompt=s.cache_prompt if req.cache_prompt is None else req.cache_prompt,
                              logit_bias=self.logit_bias(req), n_probs=n_probs, constraint=constraint,
-                             post_sampling_probs=req.post_sampling_probs)
+                             post_sampling_probs=req.post_sampling_probs, client=REQUEST_CLIENT.get())
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """Request sampling fields over the server defaults. Raises APIError 400.
