@@ -35,7 +35,7 @@ from flashdraft.sampling import SamplingParams
 
 #: defaults (``--spec-suffix-*``): the floor 0.1 is Arctic Inference's; factor 4 drafted
 #: deeper than its 1 at about as many drafts as prompt lookup in the offline walk
-#: (docs/benchmarks.md, "Suffix drafter")
+#: (docs/benchmarks.md, "Results: the suffix drafter and the confidence gate")
 DEFAULT_CACHE = 256
 DEFAULT_FACTOR = 4.0
 DEFAULT_MIN_PROB = 0.1
