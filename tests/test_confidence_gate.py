@@ -72,3 +72,22 @@ def test_gated_greedy_output_equals_plain_under_the_controller(hybrid):
                                  ignore_eos=True)
     assert ids == base
     assert t.n_steps > 1
+
+
+@pytest.mark.real
+def test_gated_greedy_output_equals_plain_on_the_real_model():
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
+    from flashdraft.prompts import SEED_PROMPTS
+    from flashdraft.target import Target
+
+    target = Target.load()
+    ids = target.chat_prompt_ids([{"role": "user", "content": SEED_PROMPTS[2]}])
+    base = generate_text(SpeculativeGenerator(target), ids, 48, GREEDY)[1]
+    dflash = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").exists() else "random"
+    for spec in ("dflash", "hybrid"):
+        d = load_drafter(EngineConfig(spec_type=spec, draft_model=dflash, p_min=0.5), target)
+        ctl = make_controller("profit", 7, getattr(d, "SOURCES", ()), getattr(d, "source_max_draft", None))
+        for controller in (None, ctl):
+            out = generate_text(SpeculativeGenerator(target, d, n_draft=7, controller=controller), ids, 48, GREEDY)
+            assert out[1] == base, (spec, controller)
+            assert out[3].draft_n > 0

@@ -217,3 +217,30 @@ def test_greedy_output_equals_plain_decoding_on_the_real_model():
         other = generate_text(gen, prompts[1], n, GREEDY, client=k2)
         assert other[1] == base[1]
         assert set(store.trees) == {k1, k2}
+
+
+@pytest.mark.parametrize("n_parallel", [1, 2])
+def test_server_keeps_each_api_keys_answers_apart(n_parallel):
+    # over real HTTP: each request's bearer key reaches the drafter, whose store then holds
+    # one tree per key, with that key's answers only
+    import httpx
+    from inproc import PROMPT, chat_target, serve
+
+    from flashdraft.generate import SpeculativeGenerator
+
+    store = SuffixStore(16)
+    gen = SpeculativeGenerator(chat_target(), SuffixDrafter(store), ctx_size=256, n_draft=4)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    with serve(gen, n_parallel=n_parallel, spec_type="suffix") as url:
+        texts = {}
+        for key in ("alice", "bob", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            texts[key] = r.json()["choices"][0]["text"]
+    assert set(store.trees) == {client_key("alice"), client_key("bob"), None}
+    assert len(set(texts.values())) == 1  # the same greedy answer for every key
+    answer = store._order[0][1]
+    for key in ("alice", "bob", None):
+        tree = store.trees[client_key(key)]
+        assert len(tree) == len(answer)  # one answer each, never another key's as well

@@ -2,7 +2,8 @@
 
 Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975; Snowflake's Arctic Inference ships
 it). Each step drafts from two trees (:class:`~flashdraft.drafters.suffix_tree.SuffixTree`)
-and keeps the draft with the higher score (expected accepted tokens, §4.3):
+and keeps the draft with the higher score (expected accepted tokens: the paper's
+"speculation tree scoring"):
 
 - the *request's* tree: this request's prompt and its answer so far, extended as tokens
   are committed (what prompt lookup searches, but every earlier occurrence votes);
@@ -11,8 +12,8 @@ and keeps the draft with the higher score (expected accepted tokens, §4.3):
   itself from one request to the next.
 
 Each draft is at most ``factor × match length`` tokens and stops where the estimated
-probability of its path falls below ``min_prob`` (§4.2), so a short, ambiguous match drafts
-little and a long one drafts deep. Drafts are deterministic (verified as one-hot), so the
+probability of its path falls below ``min_prob`` (the paper's "determining MAX_SPEC"), so a
+short, ambiguous match drafts little and a long one drafts deep. Drafts are deterministic (verified as one-hot), so the
 output is the target's own.
 
 Clients: the server keys each request by a hash of the API key it presented (``Authorization:

@@ -1,11 +1,12 @@
 """A depth-bounded suffix tree of token sequences with occurrence counts, and speculation from it.
 
 SuffixDecoding (Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for
-Emerging AI Applications", arXiv 2411.04975, §3-4) drafts from suffix trees over earlier
+Emerging AI Applications", arXiv 2411.04975, section "SuffixDecoding") drafts from suffix trees over earlier
 token sequences: it matches the longest suffix of the current context in the tree, then
 follows the most frequent continuation, one child at a time, while the estimated
 probability of the drafted path stays above a floor, and drafts more tokens the longer
-the match (§4.2, "adaptive speculation length").
+the match (its "speculation tree expansion" and "determining MAX_SPEC"; here one path,
+not a tree of them, since verification here takes one linear block).
 
 The tree here keeps every suffix of every inserted sequence, cut to ``max_depth`` tokens
 (so it holds every substring of at most ``max_depth`` tokens, with how often it occurs).
@@ -144,7 +145,7 @@ class SuffixTree:
 
     def speculate(self, context: Sequence[int], n: int, factor: float = 1.0, min_prob: float = 0.1,
                   max_match: int | None = None) -> Speculation:
-        """Draft up to ``n`` tokens after ``context`` (SuffixDecoding §4.2).
+        """Draft up to ``n`` tokens after ``context`` (SuffixDecoding, "determining MAX_SPEC").
 
         Args:
             context: the sequence so far (its last tokens are matched).
