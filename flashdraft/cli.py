@@ -34,7 +34,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model: .gguf file, HF directory or hub id (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("-md", "--spec-draft-model", default=None,
                    help="drafter: DFlash SpecForge dir/GGUF (or random[:LAYERS]); draft model path (or 'target')")
-    p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram", "hybrid"],
+    p.add_argument("--spec-type", default=None, choices=["none", "dflash", "draft", "ngram", "suffix", "hybrid"],
                    help="drafting method (default: dflash with -md, else none; dflash/hybrid without -md "
                         "use the shipped drafter of the packaged model)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
@@ -43,6 +43,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "does not pay; off = always --spec-draft-n-max (default: profit)")
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
+    p.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float, default=0.0,
+                   metavar="P", help="cut each DFlash block before the first draft the drafter gives a probability "
+                                     "below P (0 = never; default: 0)")
+    add_suffix_arguments(p)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     add_backend_argument(p)
@@ -55,6 +59,26 @@ BACKEND_HELP = ("engine that runs the target: llama = llama.cpp's kernels (GGUF 
                 "PyTorch reference (GPUs, --weights, compressed KV caches, training), auto = llama for a GGUF "
                 "target on the CPU when llama.cpp is installed and passes its probe, else torch; the choice "
                 "and why are printed at startup (default: auto)")
+
+
+def add_suffix_arguments(p) -> None:
+    """Flags of the suffix drafter and of the hybrid's lookup source (``p`` a parser or group)."""
+    p.add_argument("--spec-lookup", choices=("ngram", "suffix"), default="ngram",
+                   help="the hybrid's lookup source: ngram = prompt lookup, suffix = SuffixDecoding over the "
+                        "prompt, the answer so far and the client's past answers (default: ngram)")
+    p.add_argument("--spec-suffix-cache", type=int, default=256, metavar="N",
+                   help="suffix drafter: past answers kept over all API keys, oldest dropped first; each key "
+                        "drafts from its own answers only (0 = none; default: 256)")
+    p.add_argument("--spec-suffix-factor", type=float, default=4.0, metavar="F",
+                   help="suffix drafter: at most F draft tokens per matched token (default: 4.0)")
+    p.add_argument("--spec-suffix-min-prob", type=float, default=0.1, metavar="P",
+                   help="suffix drafter: stop a draft where its estimated probability falls below P (default: 0.1)")
+
+
+def suffix_fields(args) -> dict:
+    """EngineConfig keyword arguments of the :func:`add_suffix_arguments` flags."""
+    return dict(lookup=args.spec_lookup, suffix_cache=args.spec_suffix_cache, suffix_factor=args.spec_suffix_factor,
+                suffix_min_prob=args.spec_suffix_min_prob)
 
 
 def add_backend_argument(p) -> None:
@@ -98,8 +122,10 @@ def engine_config(args):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights,
+                        p_min=getattr(args, "spec_draft_p_min", 0.0),
                         device=getattr(args, "device", "auto"), backend=getattr(args, "backend", "auto"),
-                        **(cache_fields(args) if hasattr(args, "cache_type_k") else {}))
+                        **(cache_fields(args) if hasattr(args, "cache_type_k") else {}),
+                        **(suffix_fields(args) if hasattr(args, "spec_lookup") else {}))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

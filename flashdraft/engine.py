@@ -23,7 +23,9 @@ from flashdraft.target import Target, load_hf_model
 
 log = logging.getLogger(__name__)
 
-SPEC_TYPES = ("none", "dflash", "draft", "ngram", "hybrid")
+SPEC_TYPES = ("none", "dflash", "draft", "ngram", "suffix", "hybrid")
+#: lookup sources of the hybrid (``--spec-lookup``)
+LOOKUPS = ("ngram", "suffix")
 #: drafter shipped for the packaged default target (trained with ``flashdraft train``)
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-dflash"
 
@@ -34,8 +36,13 @@ class EngineConfig:
 
     Attributes:
         model: target path (GGUF / HF dir / hub id); None = packaged SmolLM2-135M-Instruct.
-        spec_type: one of ``none | dflash | draft | ngram | hybrid`` (hybrid: prompt lookup
-            where it has a match and pays, else the DFlash drafter ``draft_model``).
+        spec_type: one of ``none | dflash | draft | ngram | suffix | hybrid`` (suffix:
+            SuffixDecoding, :mod:`flashdraft.drafters.suffix`; hybrid: a lookup source where it
+            has a match and pays, else the DFlash drafter ``draft_model``).
+        lookup: the hybrid's lookup source, ``ngram`` (prompt lookup) or ``suffix`` (``--spec-lookup``).
+        suffix_cache: past answers the suffix drafter keeps over all clients (``--spec-suffix-cache``).
+        suffix_factor / suffix_min_prob: its draft length per matched token and probability
+            floor (``--spec-suffix-factor``, ``--spec-suffix-min-prob``).
         draft_model: drafter path. ``dflash``: SpecForge dir or GGUF, or ``random[:LAYERS]``
             (an untrained drafter, for plumbing tests). ``draft``: a causal LM sharing the
             target's tokenizer, or ``target`` (the target drafts for itself).
@@ -71,6 +78,12 @@ class EngineConfig:
     cross_ctx: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
+    lookup: str = "ngram"
+    suffix_cache: int = 256
+    suffix_factor: float = 4.0
+    suffix_min_prob: float = 0.1
+    #: the DFlash drafter's confidence gate (``--spec-draft-p-min``; :class:`DFlashDrafter`), 0 = off
+    p_min: float = 0.0
     #: dtype of a loaded drafter network (``draft`` / ``dflash``); the target's is ``weights``
     dtype: torch.dtype = torch.float32
     #: profit by default: a drafter that loses on this machine or prompt (τ ≈ 1.1 on CPU) would
@@ -97,6 +110,13 @@ class EngineConfig:
         """
         if self.spec_type not in SPEC_TYPES:
             raise ValueError(f"unknown --spec-type {self.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"unknown --spec-lookup {self.lookup!r}; choose from {', '.join(LOOKUPS)}")
+        if self.suffix_cache < 0 or self.suffix_factor <= 0 or not 0 <= self.suffix_min_prob <= 1:
+            raise ValueError("need --spec-suffix-cache >= 0, --spec-suffix-factor > 0 and "
+                             "0 <= --spec-suffix-min-prob <= 1")
+        if not 0 <= self.p_min <= 1:
+            raise ValueError(f"--spec-draft-p-min must be in [0, 1], got {self.p_min}")
         make_controller(self.controller, 1)
         self.kv_spec()
         self.kv_spec(draft=True)
@@ -158,9 +178,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         raise ValueError(f"unknown --spec-type {cfg.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
     if cfg.spec_type == "none":
         return NoDrafter()
-    if cfg.spec_type == "ngram":
-        from flashdraft.drafters.ngram import NgramDrafter
-        return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+    if cfg.spec_type in ("ngram", "suffix"):
+        return lookup_drafter(cfg, cfg.spec_type)
     if cfg.spec_type == "draft":
         from flashdraft.drafters.draft_model import DraftModelDrafter
         if not cfg.draft_model:
@@ -191,18 +210,28 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         model = load_dflash_model(path, cfg.dtype, target.device)
     check_drafter_fits(model.config, target, path)
     try:
-        drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv)
+        drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv,
+                                p_min=cfg.p_min)
         if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
             from flashdraft.drafters.hybrid import HybridDrafter
-            from flashdraft.drafters.ngram import NgramDrafter
 
             # prompt lookup may copy past the DFlash block: up to --spec-draft-n-max tokens
-            return HybridDrafter(drafter, NgramDrafter(cfg.ngram_max, cfg.ngram_min), ngram_depth=cfg.n_draft)
+            return HybridDrafter(drafter, lookup_drafter(cfg, cfg.lookup), ngram_depth=cfg.n_draft)
         return drafter
     except ValueError as e:
         if "head_dim" in str(e):
             raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
         raise
+
+
+def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
+    """The model-free drafter ``kind`` (``ngram`` or ``suffix``) with ``cfg``'s settings; a
+    suffix drafter gets a new store of past answers, which the server's slots share (:meth:`Drafter.fork`)."""
+    if kind == "suffix":
+        from flashdraft.drafters.suffix import SuffixDrafter, SuffixStore
+        return SuffixDrafter(SuffixStore(cfg.suffix_cache), cfg.suffix_factor, cfg.suffix_min_prob)
+    from flashdraft.drafters.ngram import NgramDrafter
+    return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
 
 
 def check_drafter_fits(config: dict, target, path: str) -> None:

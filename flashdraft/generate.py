@@ -246,7 +246,8 @@ class SpeculativeGenerator:
                  stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
                  ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
                  cache_prompt: bool = False, logit_bias: dict[int, float] | None = None,
-                 n_probs: int = 0, constraint=None, post_sampling_probs: bool = False) -> Iterator[Step]:
+                 n_probs: int = 0, constraint=None, post_sampling_probs: bool = False,
+                 client: str | None = None) -> Iterator[Step]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
@@ -257,7 +258,7 @@ class SpeculativeGenerator:
         the previous call, and prefill only what follows the longest common prefix
         (llama-server's ``cache_prompt``; multi-turn chat then prefills the new turn only).
         Whatever the flag, a call that ends (finished or cancelled) leaves its caches there.
-        ``logit_bias`` / ``n_probs`` / ``constraint``: as :class:`Sequence`.
+        ``logit_bias`` / ``n_probs`` / ``constraint`` / ``client``: as :class:`Sequence`.
 
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
@@ -267,7 +268,7 @@ class SpeculativeGenerator:
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
         seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
                        reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs,
-                       constraint=constraint, post_sampling_probs=post_sampling_probs)
+                       constraint=constraint, post_sampling_probs=post_sampling_probs, client=client)
         cached = None  # the sequence owns the reused cache now; a dropped one is freed at once
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
@@ -310,6 +311,8 @@ class Sequence:
         constraint: a :class:`~flashdraft.constraints.Constraint` (JSON schema, grammar):
             every target row is masked with the grammar state it follows, so the output is
             exactly the constrained target's; drafts are cut at the first refused token.
+        client: who sent the request (:func:`flashdraft.drafters.suffix.client_key` of its API
+            key, None = none): drafters that learn from past answers keep each client's apart.
     Raises:
         ContextOverflowError: prompt too long for ``ctx_size``.
         ValueError: ``max_tokens < 1`` or an empty prompt.
@@ -320,7 +323,7 @@ class Sequence:
                  ignore_eos: bool = False, drafter: Drafter | None = None,
                  controller: ProfitController | None = None, reuse: PromptCache | None = None,
                  logit_bias: dict[int, float] | None = None, n_probs: int = 0, constraint=None,
-                 post_sampling_probs: bool = False):
+                 post_sampling_probs: bool = False, client: str | None = None):
         generator.check_prompt(len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -349,6 +352,8 @@ class Sequence:
             self.drafter.reset()
             self.cache = target.new_cache(kv=generator.kv)
         self.n_cached = n_cached
+        self.n_prompt = len(prompt_ids)
+        self.drafter.start_request(client)
         self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
         self.bias = None
         if logit_bias:
@@ -414,6 +419,8 @@ class Sequence:
         step = self._finish_prefill(logits, features) if not self.prefilled else self._finish_verify(logits, features)
         if self.constraint is not None and not step.finish_reason:
             self.constraint.advance(step.token_ids)
+        if step.finish_reason:  # the answer is whole: a drafter may keep it for later requests
+            self.drafter.finish_request(self.tokens, self.n_prompt)
         if self.n_probs and step.token_ids:
             # row i of the forward chose returned token i (prefill: its one row; verify: the
             # anchor's row, then one per accepted draft, the last giving the bonus token)

@@ -21,7 +21,8 @@ from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
-from flashdraft.train.evaluate import AcceptanceStats, _run_one
+from flashdraft.train.evaluate import _run_one
+from flashdraft.train.stats import AcceptanceStats
 from flashdraft.train.walk import (DFlashProposals, DrafterProposals, heldout_answers_dir, load_answers,
                                    target_features, walk_dataset)
 

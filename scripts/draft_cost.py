@@ -35,7 +35,7 @@ def main() -> None:
     from flashdraft.sampling import SamplingParams
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
     from flashdraft.target import Target
-    from flashdraft.train.loop import read_shards
+    from flashdraft.train.shards import read_shards
 
     target = Target.load(None)
     base = load_dflash_model(DEFAULT_DRAFTER_DIR)

@@ -27,7 +27,7 @@ def main() -> int:
     from flashdraft.drafters.dflash import load_dflash_model
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
     from flashdraft.target import Target
-    from flashdraft.train.evaluate import AcceptanceStats
+    from flashdraft.train.stats import AcceptanceStats
     from flashdraft.train.walk import DFlashProposals, load_answers, target_features, walk_answer
 
     target = Target.load(None)

@@ -31,7 +31,8 @@ from flashdraft.drafters.dflash import load_dflash_model
 from flashdraft.engine import DEFAULT_DRAFTER_DIR
 from flashdraft.target import Target
 from flashdraft.train.features import FeatureStore
-from flashdraft.train.loop import bf16_pays, read_shards
+from flashdraft.train.loop import bf16_pays
+from flashdraft.train.shards import read_shards
 from flashdraft.train.objective import (IGNORE, block_attention_mask, build_blocks, default_gamma, dflash_loss,
                                         loss_weights, sample_anchors)
 

@@ -19,7 +19,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from flashdraft.train.loop import draft_vocabulary, read_shards
+from flashdraft.train.loop import draft_vocabulary
+from flashdraft.train.shards import read_shards
 
 
 def coverage(vocab: set[int], seqs) -> float:

@@ -52,7 +52,7 @@ def main() -> None:
 
     from flashdraft.fast_forward import QUANT_MAX_ROWS
     from flashdraft.target import Target
-    from flashdraft.train.loop import read_shards
+    from flashdraft.train.shards import read_shards
 
     ref, q4 = Target.load(weights="fp32"), Target.load(weights="q4")
     report = {}

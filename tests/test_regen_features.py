@@ -13,7 +13,8 @@ from flashdraft.fast_forward import BatchKV
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from flashdraft.train.features import FeatureStore, build_features
-from flashdraft.train.loop import TrainConfig, Trainer, read_shards
+from flashdraft.train.loop import TrainConfig, Trainer
+from flashdraft.train.shards import read_shards
 from flashdraft.train.objective import block_attention_mask, build_blocks
 from flashdraft.train.regen import generate_packed, regenerate_packed
 from tiny import tiny_target

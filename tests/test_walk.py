@@ -39,7 +39,8 @@ def baseline_answers(target, max_tokens=MAX_TOKENS):
 
 def _online_ids(gen):
     """The online loop's counters over PROMPTS (what ``flashdraft eval`` reports)."""
-    from flashdraft.train.evaluate import AcceptanceStats, _run_one
+    from flashdraft.train.evaluate import _run_one
+    from flashdraft.train.stats import AcceptanceStats
 
     stats = AcceptanceStats()
     for prompt in PROMPTS:

@@ -8,7 +8,9 @@ from flashdraft.bench.measure import Generation
 from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
-ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
+               "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
+               "hybrid-gated-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
                "zlab", "zlab-dflash")
 
@@ -25,6 +27,12 @@ DESCRIPTIONS = {
     "ngram-adaptive": "flashdraft, prompt lookup with the adaptive draft-length controller",
     "hybrid": "flashdraft, prompt lookup where it has a match and pays, else the DFlash drafter; fixed draft length",
     "hybrid-adaptive": "flashdraft, hybrid with the adaptive draft-length controller",
+    "suffix": "flashdraft, SuffixDecoding (suffix trees over the request and the client's past answers), fixed draft length",
+    "suffix-adaptive": "flashdraft, SuffixDecoding with the adaptive draft-length controller",
+    "hybrid-suffix": "flashdraft, hybrid with SuffixDecoding as its lookup source; fixed draft length",
+    "hybrid-suffix-adaptive": "flashdraft, hybrid with SuffixDecoding as its lookup source, adaptive controller",
+    "dflash-gated-adaptive": "flashdraft, DFlash drafter, adaptive controller, blocks cut below the drafter's p_min",
+    "hybrid-gated-adaptive": "flashdraft, hybrid, adaptive controller, DFlash blocks cut below the drafter's p_min",
     "draft": "flashdraft, autoregressive draft model",
     "hf": "transformers generate()",
     "hf-lookup": "transformers generate(prompt_lookup_num_tokens=...)",
@@ -43,7 +51,8 @@ DESCRIPTIONS = {
 def adaptive_base(name: str) -> str | None:
     """The spec type of an ``X-adaptive`` configuration (X under the ``profit`` controller), else None."""
     head, sep, _ = name.rpartition("-adaptive")
-    return head if sep and not _ and head in ("dflash", "ngram", "hybrid") else None
+    return head if sep and not _ and head in ("dflash", "ngram", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
+                                                "hybrid-gated") else None
 
 
 def fixed_depth(name: str) -> int | None:

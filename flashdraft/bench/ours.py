@@ -18,7 +18,11 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
-OURS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft")
+OURS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
+        "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive",
+        "draft")
+#: the confidence gate of the ``-gated`` configurations when ``--spec-draft-p-min`` is not given
+GATED_P_MIN = 0.5
 
 
 def is_ours(name: str) -> bool:
@@ -35,6 +39,16 @@ class EngineContender(Contender):
     def __init__(self, name: str, generator: SpeculativeGenerator):
         self.name, self.description = name, describe(name)
         self.generator = generator
+        self._runs: dict[str, int] = {}  # runs so far per prompt id
+
+    def client(self, prompt: BenchPrompt) -> str:
+        """The client key of this run: the how-many-th run of this prompt it is. A drafter
+        that keeps past answers per client (suffix) then sees the answers of the other
+        prompts run before it in the same pass, never an earlier answer to this prompt
+        (a repeat would otherwise copy its own previous answer)."""
+        k = self._runs.get(prompt.id, 0)
+        self._runs[prompt.id] = k + 1
+        return f"run-{k}"
 
     def activate(self) -> None:
         # generators share the target, whose feature hooks belong to the last one built
@@ -50,7 +64,7 @@ class EngineContender(Contender):
         if prompt.grammar is not None:
             constraint = TimedConstraint(TokenizerInfo.for_target(g.target), prompt.grammar)
         t0 = time.perf_counter()
-        for step in g.generate(prompt.ids, prompt.max_tokens, params, constraint=constraint):
+        for step in g.generate(prompt.ids, prompt.max_tokens, params, constraint=constraint, client=self.client(prompt)):
             last = time.perf_counter()
             first = first or last  # the first step arrives right after prefill
             ids.extend(step.token_ids)
@@ -81,7 +95,14 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     # plain names draft a fixed length; X-adaptive is X under the profit controller (what serve runs)
     adaptive = adaptive_base(name)
     depth = fixed_depth(name)  # dflash@N: the same drafter at a fixed depth N
-    cfg = EngineConfig(model=base.model, spec_type=adaptive or ("dflash" if depth else name),
+    kind = adaptive or ("dflash" if depth else name)
+    # hybrid-suffix: the hybrid with SuffixDecoding as its lookup source; X-gated: X with the
+    # DFlash drafter's confidence gate (--spec-draft-p-min, else GATED_P_MIN)
+    lookup = "suffix" if kind == "hybrid-suffix" else base.lookup
+    p_min = (base.p_min or GATED_P_MIN) if kind.endswith("-gated") else base.p_min
+    kind = kind.removesuffix("-suffix").removesuffix("-gated")
+    cfg = EngineConfig(model=base.model, spec_type=kind, lookup=lookup, p_min=p_min, suffix_cache=base.suffix_cache,
+                       suffix_factor=base.suffix_factor, suffix_min_prob=base.suffix_min_prob,
                        n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
                        ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off",

@@ -74,6 +74,16 @@ class Drafter:
         clone.reset()
         return clone
 
+    def start_request(self, client: str | None) -> None:
+        """Whose request the next sequence serves: a key of the API key it carried
+        (:func:`flashdraft.drafters.suffix.client_key`), None for none. Called after
+        :meth:`reset` / :meth:`rewind`; drafters that keep nothing across requests ignore it."""
+
+    def finish_request(self, tokens: torch.Tensor, n_prompt: int) -> None:
+        """The sequence ended: ``tokens [L]`` are its prompt (the first ``n_prompt``) and answer.
+        Drafters that learn from past answers (:class:`~flashdraft.drafters.suffix.SuffixDrafter`)
+        keep the answer for later requests of the same client."""
+
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:
         """Positions ``0..n_context-1`` are now final context.
 

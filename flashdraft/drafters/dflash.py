@@ -394,6 +394,13 @@ class ContextKVCache:
         return 2 * len(self.k) * self.k[0].shape[0] * self.k[0].shape[2] * self.k[0].element_size()
 
 
+def confident_prefix(p: torch.Tensor, p_min: float) -> int:
+    """Length of the leading run of ``p [n]`` (the drafter's probability of each drafted token)
+    at or above ``p_min``: where a confidence-gated block is cut."""
+    low = (p < p_min).nonzero()
+    return int(low[0, 0]) if low.numel() else p.shape[0]
+
+
 class DFlashDrafter(Drafter):
     """Runs a :class:`DFlashDraftModel` against a target.
 
@@ -404,6 +411,11 @@ class DFlashDrafter(Drafter):
         cross_ctx: attend to at most this many most recent context positions
             (``--spec-dflash-cross-ctx``; None = all).
         kv: the context cache's K/V types (``--cache-type-k-draft`` / ``-v-draft``); None = plain.
+        p_min: confidence gate (``--spec-draft-p-min``): the block is cut before the first
+            position where the drafter's own probability of its token is below ``p_min``
+            (llama.cpp's ``p_min``, which its MTP drafting gates on the same way, PR #27836);
+            0 = never cut. Only how many drafts are verified changes, never which tokens are
+            returned.
     The drafter runs on the device of ``model``'s weights, which must be the target's
     (context features, the shared embedding and LM head are there).
 
@@ -415,7 +427,10 @@ class DFlashDrafter(Drafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
-                 cross_ctx: int | None = None, kv: KVCacheSpec | None = None):
+                 cross_ctx: int | None = None, kv: KVCacheSpec | None = None, p_min: float = 0.0):
+        if not 0.0 <= p_min <= 1.0:
+            raise ValueError(f"p_min must be in [0, 1], got {p_min}")
+        self.p_min = p_min
         if embed_tokens.weight.shape[1] != model.config["hidden_size"]:
             raise ValueError(f"drafter hidden size {model.config['hidden_size']} != target's "
                              f"{embed_tokens.weight.shape[1]}: this drafter was made for another model")
@@ -486,9 +501,14 @@ class DFlashDrafter(Drafter):
         #    (the draft ids go to the host: the verify input and the stop rules are built there)
         if params.greedy:
             idx = torch.argmax(logits, dim=-1)
+            if self.p_min > 0:  # the drafter's probability of each argmax, under its own softmax
+                idx = idx[: confident_prefix(torch.softmax(logits, -1).gather(1, idx[:, None])[:, 0], self.p_min)]
             return Draft((idx if self.d2t is None else self.d2t[idx]).to(HOST))
         q = filtered_probs(logits, params)
         idx = sample(q, generator)
+        if self.p_min > 0:
+            keep = confident_prefix(q.gather(1, idx[:, None])[:, 0], self.p_min)
+            idx, q = idx[:keep], q[:keep]
         if self.d2t is None:
             return Draft(idx.to(HOST), q)
         full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids

@@ -33,7 +33,9 @@ class HybridDrafter(Drafter):
 
     Args:
         dflash: the DFlash drafter (its context cache is kept current every step).
-        ngram: the prompt-lookup drafter.
+        ngram: the lookup source: prompt lookup (:class:`NgramDrafter`, the default) or
+            SuffixDecoding (:class:`~flashdraft.drafters.suffix.SuffixDrafter`); any
+            feature-free, deterministic drafter. Its source keeps the name ``"ngram"``.
         decay: weight of the past in the per-source averages of accepted drafts per step.
         probe_every: matched steps sent to DFlash before prompt lookup is tried anyway.
         ngram_depth: longest prompt-lookup draft (default: the DFlash drafter's block size - 1);
@@ -49,7 +51,7 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, dflash: DFlashDrafter, ngram: NgramDrafter | None = None, decay: float = 0.8,
+    def __init__(self, dflash: DFlashDrafter, ngram: Drafter | None = None, decay: float = 0.8,
                  probe_every: int = 8, ngram_depth: int | None = None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
@@ -83,8 +85,13 @@ class HybridDrafter(Drafter):
         return self.dflash.rewind(n_context)
 
     def fork(self) -> "HybridDrafter":
-        return HybridDrafter(self.dflash.fork(), NgramDrafter(self.ngram.max_ngram, self.ngram.min_ngram),
-                             self.decay, self.probe_every, self.ngram_depth)
+        return HybridDrafter(self.dflash.fork(), self.ngram.fork(), self.decay, self.probe_every, self.ngram_depth)
+
+    def start_request(self, client: str | None) -> None:
+        self.ngram.start_request(client)
+
+    def finish_request(self, tokens: torch.Tensor, n_prompt: int) -> None:
+        self.ngram.finish_request(tokens, n_prompt)
 
     def commit(self, n_context: int, features: torch.Tensor | None) -> None:
         if self._pending is not None:  # what the last verify kept of that source's drafts

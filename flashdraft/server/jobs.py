@@ -115,7 +115,7 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
                          cache_prompt=settings.cache_prompt if s.cache_prompt is None else s.cache_prompt,
                          logit_bias=logit_bias(req, state), n_probs=req.n_probs,
                          constraint=constraint(req, state, constraint_spec),
-                         post_sampling_probs=s.post_sampling_probs)
+                         post_sampling_probs=s.post_sampling_probs, client=req.client)
 
 
 def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from flashdraft.server import jobs as J
 from flashdraft.server import parse_anthropic, parse_openai, parse_responses, run
+from flashdraft.server.clients import client_of
 from flashdraft.server.errors import APIError
 from flashdraft.server.limits import over
 from flashdraft.server.render_anthropic import MessagesRenderer, anthropic_error
@@ -105,6 +106,7 @@ async def handle(request: Request, state: ServerState, api: API) -> Response:
         state.require_ready()
         body = await read_body(request, state.settings.limits.body_bytes)
         req = validate(api.parse(body), state.settings.limits)
+        req.client = client_of(request.headers)
         jobs = J.build(req, state)
         ctx = RenderContext(req, jobs, state, state.check_model(req.model))
         if req.stream:

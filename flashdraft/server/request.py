@@ -84,6 +84,8 @@ class GenRequest:
         timings_per_token: llama-server's: every streamed event carries the timings so far.
         verbose: llama-server's ``__verbose`` (the prompt as text) in a non-streamed answer.
         wire: the parsed body, for the renderer only (``response_fields``, ``return_tokens``...).
+        client: the request's client, a hash of its API key (:mod:`.clients`; None = no
+            key): the suffix drafter keeps each client's past answers apart.
     """
 
     api: str
@@ -109,3 +111,4 @@ class GenRequest:
     timings_per_token: bool = False
     verbose: bool = False
     wire: object = None
+    client: str | None = None

@@ -54,6 +54,7 @@ class GenerationJob:
         post_sampling_probs: take them from the sampling distribution (after temperature,
             top-k, top-p, min-p) instead of the target's full softmax (llama-server's flag).
         constraint: the request's grammar (:class:`~flashdraft.constraints.Constraint`), or None.
+        client: a key of the API key the request carried (:mod:`flashdraft.server.clients`), or None.
     """
 
     prompt_ids: list[int]
@@ -66,6 +67,7 @@ class GenerationJob:
     n_probs: int = 0
     constraint: object = None
     post_sampling_probs: bool = False
+    client: str | None = None
 
 
 class JobFailed(Exception):
@@ -315,7 +317,7 @@ class Scheduler:
                                                 ignore_eos=job.ignore_eos, cancelled=stopped,
                                                 cache_prompt=job.cache_prompt, logit_bias=job.logit_bias,
                                                 n_probs=job.n_probs, constraint=job.constraint,
-                                                post_sampling_probs=job.post_sampling_probs):
+                                                post_sampling_probs=job.post_sampling_probs, client=job.client):
                 if self.metrics:
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
@@ -394,7 +396,7 @@ class Scheduler:
                 batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
                             stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt,
                             logit_bias=job.logit_bias, n_probs=job.n_probs, constraint=job.constraint,
-                            post_sampling_probs=job.post_sampling_probs)
+                            post_sampling_probs=job.post_sampling_probs, client=job.client)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

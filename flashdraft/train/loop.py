@@ -1,6 +1,6 @@
 """Training loop for a DFlash drafter on a CPU (or any torch device), resumable.
 
-Data: shards written by ``flashdraft.train.data`` (prompt ids + target-regenerated
+Data: shards (:mod:`flashdraft.train.shards`) written by ``flashdraft.train.regen`` (prompt ids + target-regenerated
 response ids). Shards are re-read at every epoch, so training can run while
 regeneration is still adding data. Target features are computed once per sequence and
 kept (fp16) in memory, so later epochs cost only the drafter.
@@ -33,6 +33,7 @@ from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 from flashdraft.train.objective import cosine_lr, default_gamma, dflash_loss, sample_anchors
+from flashdraft.train.shards import read_shards
 
 log = logging.getLogger(__name__)
 
@@ -105,30 +106,6 @@ class TrainConfig:
     init_from: str | None = None
     #: train an n-gram-seeded drafter (``dflash_config.ngram_seeded``; see :func:`seed_block`)
     ngram_seeded: bool = False
-
-
-def read_shards(data_dir: Path, with_shard: bool = False) -> list[tuple]:
-    """All regenerated sequences: ``(id, ids [T] int64, n_prompt)`` (plus the shard index
-    with ``with_shard``), shards in name order; ``shard-*.jsonl`` or gzipped ``.jsonl.gz``.
-    A line being written right now (not yet valid JSON) is skipped."""
-    import gzip
-
-    seqs = []
-    shards = sorted(list(Path(data_dir).glob("shard-*.jsonl")) + list(Path(data_dir).glob("shard-*.jsonl.gz")))
-    for shard in shards:
-        index = int(shard.name.split("-")[1].split(".")[0])
-        text = gzip.open(shard, "rt").read() if shard.suffix == ".gz" else shard.read_text()
-        for line in text.splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if len(rec["response_ids"]) < 2:
-                continue
-            ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"], dtype=torch.long)
-            item = (rec["id"], ids, len(rec["prompt_ids"]))
-            seqs.append(item + (index,) if with_shard else item)
-    return seqs
 
 
 def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenizer=None) -> torch.Tensor:

@@ -33,8 +33,8 @@ import torch
 
 from flashdraft.sampling import SamplingParams, choose_token
 from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter
-from flashdraft.train.data import (CODE_SHARE, SHARD_FORMAT, ShardWriter, _write_json_atomic, model_fingerprint,
-                                   resolve_model_location, scan_shards, training_prompts)
+from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
+from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         if manifest_path.exists():
             return json.loads(manifest_path.read_text(encoding="utf-8"))
         m = manifest("complete")
-        _write_json_atomic(manifest_path, m)
+        write_json_atomic(manifest_path, m)
         return m
     if target is None:
         from flashdraft.engine import EngineConfig, load_engine_target
@@ -263,7 +263,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     by_id = {p["id"]: p for p in todo}
     encoded = [(p["id"], target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])) for p in todo]
     prompt_ids = dict(encoded)
-    _write_json_atomic(manifest_path, manifest("running"))
+    write_json_atomic(manifest_path, manifest("running"))
     writer = ShardWriter(out, next_index, shard_size)
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
@@ -297,14 +297,14 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
                                 f"{counts['response_tokens']} tokens", refresh=False)
             if time.time() - last_manifest > 30:
-                _write_json_atomic(manifest_path, manifest("running"))
+                write_json_atomic(manifest_path, manifest("running"))
                 last_manifest = time.time()
     finally:
         writer.close()
         for fw in feature_writers.values():
             fw.close()
         bar.close()
-        _write_json_atomic(manifest_path, manifest("complete" if counts["done"] >= len(prompts) else "interrupted"))
+        write_json_atomic(manifest_path, manifest("complete" if counts["done"] >= len(prompts) else "interrupted"))
     log.info("generated %d tokens in %.0f s (%.1f tokens/s)", new_tokens, time.perf_counter() - t0,
              new_tokens / max(time.perf_counter() - t0, 1e-9))
     return manifest("complete")

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashdraft.train.evaluate import AcceptanceStats
+from flashdraft.train.shards import read_shards
+from flashdraft.train.stats import AcceptanceStats
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,33 @@ class DrafterProposals:
         return self.drafter.propose(self.ids[:a + 1], room, self.params, self.gen).tokens.tolist()
 
 
+class SuffixHistory:
+    """Suffix-drafter proposals (:class:`~flashdraft.drafters.suffix.SuffixDrafter`) for answers
+    walked in order, as one client's requests: each answer's tree is its own prompt and
+    answer so far, plus (with ``past_answers``) the answers walked before it, kept as the
+    server keeps finished answers.
+
+    Args:
+        past_answers: answers kept (``--spec-suffix-cache``); 0 = the request alone.
+    Calling ``(ids, n_prompt, features)`` gives that answer's :data:`Proposer`; the previous
+    answer is kept first (it is finished once the next one starts).
+    """
+
+    def __init__(self, past_answers: int):
+        from flashdraft.drafters.suffix import SuffixStore
+
+        self.store = SuffixStore(past_answers)
+        self._last: list[int] | None = None
+
+    def __call__(self, ids: torch.Tensor, n_prompt: int, _features=None) -> Proposer:
+        from flashdraft.drafters.suffix import SuffixDrafter
+
+        if self._last is not None:
+            self.store.add(None, self._last)
+        self._last = ids[n_prompt:].tolist()
+        return DrafterProposals(SuffixDrafter(self.store), ids, n_prompt)
+
+
 class BigramTable:
     """Each token's most frequent successor in a set of answers; drafts chain it.
 
@@ -261,7 +289,6 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
     caller computes them with a target forward).
     """
     from flashdraft.train.features import FeatureStore
-    from flashdraft.train.loop import read_shards
 
     seqs = read_shards(Path(directory))
     if limit is not None:
@@ -310,7 +337,6 @@ def walk_dataset(answers, proposer_for: Callable, n_draft: int, max_tokens: int,
 
 def reference_sequences(data_dirs) -> list[tuple[torch.Tensor, int]]:
     """``(ids, n_prompt)`` of the training answers in ``data_dirs`` (for the bigram table)."""
-    from flashdraft.train.loop import read_shards
 
     return [(ids, n) for d in data_dirs for _, ids, n in read_shards(Path(d))]
 
@@ -326,8 +352,11 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
             online, whose copies may run past the DFlash block); when it exceeds ``n_draft``,
             prompt lookup is also walked at that depth (``"ngram (depth D)"``).
     Returns ``{"dflash": stats, "ngram": stats, "bigram": stats, ...}`` (the :class:`AcceptanceStats`
-    dict of each; ``dflash`` and the hybrid only when a drafter is given, ``bigram`` only with a table).
+    dict of each; ``dflash`` and the hybrids only when a drafter is given, ``bigram`` only with a table).
+    ``suffix`` drafts from the answer's own prompt and answer so far, ``suffix (+ past answers)``
+    also from the answers walked before it (:class:`SuffixHistory`, the server's default bound).
     """
+    from flashdraft.drafters.suffix import DEFAULT_CACHE
     from flashdraft.drafters.ngram import NgramDrafter
 
     layer_ids = dflash_model.target_layer_ids if dflash_model is not None else []
@@ -361,13 +390,26 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
         deep = max(n_draft, ngram_depth or n_draft)
         out["hybrid (ngram, else dflash)"] = walk_dataset(answers, hybrid, deep, max_tokens, eos, progress,
                                                           "hybrid")
+        history = SuffixHistory(DEFAULT_CACHE)
+
+        def hybrid_suffix(ids, n_prompt, feats):
+            lookup, drafted = history(ids, n_prompt), dflash(ids, n_prompt, feats)
+            return lambda i, room: lookup(i, room) or drafted(i, room)
+
+        out["hybrid (suffix, else dflash)"] = walk_dataset(answers, hybrid_suffix, deep, max_tokens, eos, progress,
+                                                           "hybrid suffix")
     def lookup(ids, n_prompt, _):
         return DrafterProposals(NgramDrafter(), ids, n_prompt)
 
     out["ngram"] = walk_dataset(answers, lookup, n_draft, max_tokens, eos, progress, "ngram")
+    out["suffix"] = walk_dataset(answers, SuffixHistory(0), n_draft, max_tokens, eos, progress, "suffix")
+    out["suffix (+ past answers)"] = walk_dataset(answers, SuffixHistory(DEFAULT_CACHE), n_draft, max_tokens, eos,
+                                                  progress, "suffix past")
     if ngram_depth is not None and ngram_depth > n_draft:
         out[f"ngram (depth {ngram_depth})"] = walk_dataset(answers, lookup, ngram_depth, max_tokens, eos,
                                                            progress, "ngram deep")
+        out[f"suffix (+ past answers, depth {ngram_depth})"] = walk_dataset(
+            answers, SuffixHistory(DEFAULT_CACHE), ngram_depth, max_tokens, eos, progress, "suffix deep")
     if bigram is not None:
         out["bigram"] = walk_dataset(answers, lambda ids, n, _: bigram.proposer(ids, n), n_draft, max_tokens,
                                      eos, progress, "bigram")
