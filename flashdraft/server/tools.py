@@ -66,9 +66,41 @@ def tool_prompt(tools: list[dict], must_call: bool) -> str:
             'else: {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}')
 
 
+#: schema keywords whose value is one subschema, a list of them, or a name -> subschema map
+_SUBSCHEMA = ("items", "additionalItems", "contains", "additionalProperties", "propertyNames", "if", "then", "else")
+_SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed(schema: object) -> object:
+    """A copy of a tool's parameter schema in which an object that lists ``properties``
+    takes no others, unless it says so with ``additionalProperties`` (or
+    ``patternProperties``). That is how llama-server constrains a tool call (its
+    json-schema-to-grammar), and what a tool expects: a call with only the arguments it
+    declares. Parts of an ``allOf`` are left as given (closing each would refuse the
+    others' properties)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _SUBSCHEMAS:
+            out[key] = closed(value)
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        else:
+            out[key] = value
+    open_by_choice = {"additionalProperties", "patternProperties", "allOf"} & set(out)
+    if isinstance(out.get("properties"), dict) and not open_by_choice:
+        out["additionalProperties"] = False
+    return out
+
+
 def calls_schema(tools: list[dict], parallel: bool) -> dict:
-    """JSON schema of a tool-call answer: each call names one tool and matches its parameters."""
-    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+    """JSON schema of a tool-call answer: each call names one tool and matches its parameters
+    (:func:`closed`: only the properties they list)."""
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": closed(t["parameters"])},
             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     items = one[0] if len(one) == 1 else {"anyOf": one}
     calls = {"type": "array", "items": items, "minItems": 1}
