@@ -16,6 +16,10 @@ import pytest
 from openai import OpenAI
 from test_server import ServerProcess
 
+from flashdraft.constraints import Constraint, TokenizerInfo, compile_grammar
+from flashdraft.server.tools import tool_grammar
+from flashdraft.target import Target
+
 pytestmark = pytest.mark.real
 
 DRAFTERS = ["none", "ngram", "dflash", "hybrid"]
@@ -117,15 +121,17 @@ def test_messages_stop_sequence(claude):
 
 def test_messages_forced_tool_call_and_round_trip(claude):
     ask = [{"role": "user", "content": PARIS}]
+    # one call (SmolLM2 asks for the same weather twice when it may call in parallel)
     out = claude.messages.create(model="any", max_tokens=120, messages=ask, tools=[ANTHROPIC_WEATHER],
-                                 tool_choice={"type": "any"})
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert out.stop_reason == "tool_use"
     calls = [b for b in out.content if b.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
     assert set(calls[0].input) == {"city"}, calls[0].input  # only the schema's keys
     # streamed: the call arrives as a tool_use block with its input as JSON deltas
     with claude.messages.stream(model="any", max_tokens=120, messages=ask, tools=[ANTHROPIC_WEATHER],
-                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+                                tool_choice={"type": "tool", "name": "get_weather",
+                                             "disable_parallel_tool_use": True}) as stream:
         final = stream.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and len(streamed) == 1 and set(streamed[0].input) == {"city"}
@@ -169,6 +175,30 @@ def test_bad_messages_requests_are_400_in_anthropics_shape(server, claude, body,
     assert ok.usage.output_tokens == 2  # and the server keeps serving
 
 
+def test_tool_arguments_take_only_the_properties_the_tool_lists():
+    """A called tool gets only the arguments its schema lists, as llama-server constrains a
+    call: an object with ``properties`` and no ``additionalProperties`` takes no others (a
+    small model otherwise invents keys, e.g. ``"type": "function"`` beside ``code``, and can
+    loop on them until ``max_tokens`` cuts the call). Checked on the real tokenizer's grammar."""
+    params = {"type": "object", "properties": {"code": {"type": "string"},
+                                               "opts": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                                               "env": {"type": "object", "additionalProperties": {"type": "string"}}},
+              "required": ["code"]}
+    target = Target.load()
+    info = TokenizerInfo.for_target(target)
+    grammar = compile_grammar(*tool_grammar([{"name": "python", "description": "", "parameters": params}],
+                                            must_call=True, parallel=False))
+
+    def accepted(arguments: str) -> bool:
+        ids = target.tokenizer('{"tool_calls": [{"name": "python", "arguments": ' + arguments + "}]}",
+                               add_special_tokens=False)["input_ids"]
+        return Constraint(info, grammar).valid_prefix(ids) == len(ids)
+
+    assert accepted('{"code": "print(1)", "opts": {"n": 2}, "env": {"HOME": "/tmp"}}')  # open where it says so
+    assert not accepted('{"code": "print(1)", "type": "function"}')
+    assert not accepted('{"code": "print(1)", "opts": {"n": 2, "m": 3}}')
+
+
 # -- OpenAI Responses ------------------------------------------------------------------------
 
 def test_responses_plain_answer_and_stream_with_the_openai_client(server, oai):
@@ -194,7 +224,7 @@ def test_responses_plain_answer_and_stream_with_the_openai_client(server, oai):
 
 def test_responses_forced_tool_call_and_round_trip(oai):
     out = oai.responses.create(model="any", input=PARIS, tools=[RESPONSES_WEATHER], tool_choice="required",
-                               max_output_tokens=120)
+                               parallel_tool_calls=False, max_output_tokens=120)
     calls = [o for o in out.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and set(json.loads(calls[0].arguments)) == {"city"}
     items = [{"role": "user", "content": PARIS},
