@@ -23,8 +23,9 @@ from flashdraft.generate import Timings
 from tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [{"id": "p0", "prompt": "t5 t9 t17 t3 t22 t41 t5 t9 t17"}]
-LOCAL_CONFIGS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive", "draft",
-                 "hf", "hf-lookup", "hf-dflash", "hf-draft"]
+LOCAL_CONFIGS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
+                 "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
+                 "hybrid-gated-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft"]
 RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens",
             "completion_tokens", "ttft_ms", "total_ms", "decode_ms", "decode_tokens", "decode_tokens_per_s",
             "decode_source", "finish_reason", "spec", "same_as_baseline", "constrained", "schema_violation",
