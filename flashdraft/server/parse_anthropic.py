@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.request import GenRequest, Sampling, Tools
-from flashdraft.server.schemas import ChatMessage, _Strict, parse_request
+from flashdraft.server.schemas import ChatMessage, TokenLimit, _Strict, parse_request
 from flashdraft.server.tools import active_tools
 
 
@@ -63,15 +63,7 @@ class MessagesRequest(_Strict):
     model: str | None = None
     messages: list[dict]
     system: str | list[dict] | None = None
-    #: -1 = until a stop or the context's end (llama-server's meaning, as on every endpoint)
-    max_tokens: int | None = Field(None, ge=-1)
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _no_zero_limit(cls, v):
-        if v == 0:
-            raise ValueError("must be -1 (until a stop or the context end) or at least 1")
-        return v
+    max_tokens: TokenLimit | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -20,11 +20,11 @@ Source: OpenAI, "Responses" API reference (platform.openai.com/docs/api-referenc
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.request import GenRequest, Sampling, Tools
-from flashdraft.server.schemas import ChatMessage, _Strict, parse_request
+from flashdraft.server.schemas import ChatMessage, TokenLimit, _Strict, parse_request
 from flashdraft.server.tools import active_tools
 
 #: the text part types of an input message
@@ -37,15 +37,7 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
-    #: -1 = until a stop or the context's end (llama-server's meaning, as on every endpoint)
-    max_output_tokens: int | None = Field(None, ge=-1)
-
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _no_zero_limit(cls, v):
-        if v == 0:
-            raise ValueError("must be -1 (until a stop or the context end) or at least 1")
-        return v
+    max_output_tokens: TokenLimit | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False

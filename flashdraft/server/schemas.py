@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from flashdraft.server.errors import APIError, bad_request
 
@@ -30,6 +30,17 @@ MAX_CHOICES = 16
 OnePrompt = str | list[int | str]
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _limit_not_zero(v: int) -> int:
+    if v == 0:
+        raise ValueError("must be -1 (until a stop or the context end) or at least 1")
+    return v
+
+
+#: a limit on new tokens (``max_tokens`` and its names in every API): -1 = until a stop or the
+#: context's end, as llama-server (the server's ``-n`` still applies when set); 0 is refused
+TokenLimit = Annotated[int, Field(ge=-1), AfterValidator(_limit_not_zero)]
 
 
 class _Strict(BaseModel):
@@ -200,20 +211,12 @@ class StreamOptions(_Strict):
 class _OpenAIFields(SamplingFields):
     """Fields shared by ``/v1/chat/completions`` and ``/v1/completions``."""
 
-    #: -1 = until a stop or the context end, as llama-server (``-n`` still applies when set)
-    max_tokens: int | None = Field(None, ge=-1)
+    max_tokens: TokenLimit | None = None
     #: choices per request, each decoded as a job of its own (non-streamed only)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
     #: llama-server: add a ``__verbose`` object (the prompt as text) to a non-streamed answer
     verbose: bool = False
-
-    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
-    @classmethod
-    def _no_zero_limit(cls, v):
-        if v == 0:
-            raise ValueError("must be -1 (until a stop or the context end) or at least 1")
-        return v
 
     def choices(self) -> int:
         """Choices asked for; more than one needs ``stream: false``.
@@ -259,7 +262,7 @@ class ChatCompletionRequest(_OpenAIFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=-1)
+    max_completion_tokens: TokenLimit | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     #: OpenAI function tools (see :mod:`flashdraft.server.tools`)
