@@ -27,8 +27,12 @@ def target():
 def test_tau_at_least_one_on_an_answer_ending_on_eos(target, spec_type):
     draft_model = {"dflash": str(DEFAULT_DRAFTER_DIR), "hybrid": str(DEFAULT_DRAFTER_DIR),
                    "draft": "target"}.get(spec_type)
-    drafter = load_drafter(EngineConfig(spec_type=spec_type, draft_model=draft_model), target)
-    gen = SpeculativeGenerator(target, drafter, n_draft=7, controller=None)
+
+    def fresh() -> SpeculativeGenerator:  # the suffix drafter remembers past answers: each run starts anew
+        drafter = load_drafter(EngineConfig(spec_type=spec_type, draft_model=draft_model), target)
+        return SpeculativeGenerator(target, drafter, n_draft=7, controller=None)
+
+    gen = fresh()
     ids = target.chat_prompt_ids([{"role": "user", "content": SHORT}])
     text, out, finish, t = generate_text(gen, ids, 200, SamplingParams())
     assert finish == "stop" and 1 < t.predicted_n < 200, text  # it ended on end-of-sequence
@@ -45,5 +49,5 @@ def test_tau_at_least_one_on_an_answer_ending_on_eos(target, spec_type):
     # the bench and `flashdraft eval` read the same τ off the same run
     assert counts_from_timings(t).tau() == pytest.approx(tau)
     stats = AcceptanceStats()
-    _run_one(gen, ids, 200, SamplingParams(), False, stats)
+    _run_one(fresh(), ids, 200, SamplingParams(), False, stats)
     assert stats.to_dict(8)["tau"] == pytest.approx(tau, abs=1e-4)
