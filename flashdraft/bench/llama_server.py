@@ -38,6 +38,7 @@ from pathlib import Path
 
 from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Unavailable
 from flashdraft.bench.measure import Generation, SpecCounts
+from flashdraft.bench.remote import open_json
 from flashdraft.sampling import SamplingParams
 
 LLAMA_SERVER_PEERS = ("llama-server", "llama-server-lookup", "llama-server-dflash")
@@ -133,16 +134,8 @@ class LlamaServerProcess:
 
     def post(self, path: str, body: dict, timeout: float = 1800.0) -> dict:
         """POST ``body`` as JSON, return the JSON answer. Raises LlamaServerError on an HTTP error."""
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise LlamaServerError(f"POST {path}: HTTP {e.code}: {detail}") from None
-        except urllib.error.URLError as e:
-            raise LlamaServerError(f"POST {path}: {e.reason}\n{self.log_tail()}") from None
+        with open_json("POST", self.base + path, body, timeout, LlamaServerError, unreachable=self.log_tail) as r:
+            return json.load(r)
 
     def close(self) -> None:
         """Stop the process (terminate, then kill after 10 s); delete its log and ``owned_dir``."""

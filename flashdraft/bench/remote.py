@@ -16,10 +16,34 @@ import json
 import time
 import urllib.error
 import urllib.request
+from typing import Callable
 
 from flashdraft.bench.contender import BenchPrompt, Contender
 from flashdraft.bench.measure import Generation, SpecCounts
 from flashdraft.sampling import SamplingParams
+
+
+def open_json(method: str, url: str, body: dict | None, timeout: float, error: type[Exception],
+              headers: dict | None = None, unreachable: Callable[[], str] | None = None):
+    """Send ``body`` as JSON (none for a GET) and return the open response.
+
+    Args:
+        unreachable: what to add to the message when the server cannot be reached (a
+            child server's log tail).
+    Raises:
+        ``error``: an HTTP error status (its first 500 characters of body in the message) or
+            a connection failure, naming the method and URL.
+    """
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method=method)
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise error(f"{method} {url}: HTTP {e.code}: {detail}") from None
+    except urllib.error.URLError as e:
+        raise error(f"{method} {url}: {e.reason}" + (f"\n{unreachable()}" if unreachable else "")) from None
 
 
 class ServerError(RuntimeError):
@@ -50,18 +74,10 @@ class RemoteServer(Contender):
 
     # -- HTTP ------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict | None = None):
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        headers = {"Accept": "application/json, text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
-        try:
-            return urllib.request.urlopen(req, timeout=self.timeout)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise ServerError(f"{method} {self.base}{path}: HTTP {e.code}: {detail}") from None
-        except urllib.error.URLError as e:
-            raise ServerError(f"{method} {self.base}{path}: {e.reason}") from None
+        return open_json(method, self.base + path, body, self.timeout, ServerError, headers)
 
     def _first_model(self) -> str:
         with self._request("GET", "/v1/models") as r:
