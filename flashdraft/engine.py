@@ -28,6 +28,8 @@ SPEC_TYPES = ("none", "dflash", "draft", "ngram", "suffix", "hybrid")
 LOOKUPS = ("ngram", "suffix")
 #: drafter shipped for the packaged default target (trained with ``flashdraft train``)
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-dflash"
+#: AR assistant drafter shipped for the packaged default target (``flashdraft train --kind ar``)
+DEFAULT_AR_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-ar"
 
 
 @dataclass
@@ -181,14 +183,7 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     if cfg.spec_type in ("ngram", "suffix"):
         return lookup_drafter(cfg, cfg.spec_type)
     if cfg.spec_type == "draft":
-        from flashdraft.drafters.draft_model import DraftModelDrafter
-        if not cfg.draft_model:
-            raise ValueError("--spec-type draft needs --spec-draft-model PATH (a small model with the target's tokenizer)")
-        if cfg.draft_model == "target" and getattr(target, "model", None) is None:
-            raise ValueError("-md target drafts with the target's torch model: use --backend torch")
-        model = (target.model if cfg.draft_model == "target"
-                 else load_hf_model(cfg.draft_model, cfg.dtype, target.device)[0])
-        return DraftModelDrafter(model, target.vocab_size)
+        return draft_model_drafter(cfg, target)
     try:
         draft_kv = cfg.kv_spec(draft=True)
     except ValueError as e:
@@ -222,6 +217,52 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         if "head_dim" in str(e):
             raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
         raise
+
+
+def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
+    """``--spec-type draft``: ``-md self:N`` (the target's first N layers and head), an AR
+    drafter directory (``flashdraft train --kind ar``), ``target``, or any transformers causal
+    LM with the target's vocabulary; without ``-md`` on the packaged target, its shipped AR
+    drafter.
+
+    Raises:
+        ValueError: no ``-md``, a bad ``self:N``, or a drafter made for another target.
+    """
+    from flashdraft.drafters.ar import ARDrafter
+    from flashdraft.drafters.ar_model import ar_from_target, is_ar_drafter, load_ar_drafter
+    from flashdraft.drafters.draft_model import DraftModelDrafter
+
+    path = cfg.draft_model
+    if not path and cfg.model is None and (DEFAULT_AR_DRAFTER_DIR / "config.json").exists():
+        path = str(DEFAULT_AR_DRAFTER_DIR)  # the packaged target's own AR drafter
+    if not path:
+        raise ValueError("--spec-type draft needs --spec-draft-model PATH (an AR drafter from `flashdraft train "
+                         "--kind ar`, self:N for the target's first N layers, or a small model with the "
+                         "target's tokenizer)")
+    embed = target.embed_tokens.weight.detach()
+    if path.startswith("self:") or path == "self":
+        n = path.partition(":")[2]
+        if not n.isdigit() or not 1 <= int(n) <= target.num_layers:
+            raise ValueError(f"-md {path}: self:N takes N = 1..{target.num_layers} (the target's first N layers)")
+        torch_model = target.model
+        if torch_model is None:  # llama backend: the same GGUF, read by transformers
+            torch_model = load_hf_model(target.path, cfg.dtype, target.device)[0]
+        model = ar_from_target(torch_model, int(n), target_name=target.name).to(target.device)
+        return ARDrafter(model, embed, target.vocab_size)
+    if is_ar_drafter(path):
+        model = load_ar_drafter(path, cfg.dtype, target.device)
+        want = model.config["ar_drafter"].get("num_target_layers")
+        if want and int(want) != target.num_layers:
+            raise ValueError(f"AR drafter {path} was trained for another target: {want} target layers, "
+                             f"{target.name} has {target.num_layers}; train one with `flashdraft train --kind ar`")
+        try:
+            return ARDrafter(model, embed, target.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"AR drafter {path} was trained for another target: {e}") from None
+    if path == "target" and getattr(target, "model", None) is None:
+        raise ValueError("-md target drafts with the target's torch model: use --backend torch, or -md self:N")
+    model = target.model if path == "target" else load_hf_model(path, cfg.dtype, target.device)[0]
+    return DraftModelDrafter(model, target.vocab_size)
 
 
 def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:

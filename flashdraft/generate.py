@@ -79,6 +79,8 @@ class Timings:
     draft_depth_sum: int = 0
     draft_depth_last: int = 0
     verify_n: int = 0
+    #: ms inside the drafter's ``propose`` (the draft cost; not in the server's ``timings``)
+    draft_ms: float = 0.0
     step_hist: list[int] = field(default_factory=list)
 
     @property
@@ -401,6 +403,7 @@ class Sequence:
         # against the older four-argument propose() keeps working everywhere else
         extra = {} if self.constraint is None else {"constraint": self.constraint}
         self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen, **extra) if room > 0 else None
+        t.draft_ms += 1e3 * (time.perf_counter() - self._t0)
         self._drafts = (self._draft.tokens[:room] if self._draft is not None
                         else torch.empty(0, dtype=torch.long, device=HOST))
         if self.constraint is not None and self._drafts.numel():

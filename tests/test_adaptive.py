@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from flashdraft.adaptive import ProfitController, make_controller
+from flashdraft.drafters.ar import ARDrafter
+from flashdraft.drafters.ar_model import ar_from_target
 from flashdraft.drafters.draft_model import DraftModelDrafter
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.generate import SpeculativeGenerator, generate_text
@@ -232,6 +234,9 @@ def test_any_depth_sequence_is_lossless_for_every_drafter():
         "dflash": DFlashDrafter(random_dflash_model(target.model, num_layers=1, block_size=8),
                                 target.embed_tokens, target.lm_head),  # d = 0 steps still commit features
         "draft": DraftModelDrafter(tiny_model("qwen3", seed=7), target.vocab_size),
+        # d = 0 steps still commit the target's states to an EAGLE-style AR drafter
+        "ar": ARDrafter(ar_from_target(target.model, 2, use_features=True), target.embed_tokens.weight,
+                        target.vocab_size),
     }
     for name, drafter in drafters.items():
         ctl = ScriptedController([0, 3, 1, 0, 0, 6, 2])
@@ -239,6 +244,29 @@ def test_any_depth_sequence_is_lossless_for_every_drafter():
         _, ids, _, t = generate_text(gen, PROMPT, 30, GREEDY, ignore_eos=True)
         assert ids == base, name
         assert any(d == 0 for d, _ in ctl.seen) and any(d > 0 for d, _ in ctl.seen), name
+
+
+def test_profit_controller_turns_off_an_ar_drafter_whose_sequential_steps_cost_too_much():
+    """An AR drafter pays one forward per draft token; the controller measures each depth's
+    step time (draft included), so a drafter whose tokens cost more than they save is switched
+    off, and the output stays the target's."""
+    import time
+
+    target = tiny_target("llama", seed=3)
+    base = generate_text(SpeculativeGenerator(target), PROMPT, 80, GREEDY, ignore_eos=True)[1]
+
+    class SlowAR(ARDrafter):
+        def _run(self, ids, prev):  # a drafter forward 20 ms long: far more than a target step here
+            time.sleep(0.02)
+            return super()._run(ids, prev)
+
+    ctl = ProfitController(4)
+    gen = SpeculativeGenerator(target, SlowAR(ar_from_target(target.model, 1), target.embed_tokens.weight,
+                                              target.vocab_size), n_draft=4, controller=ctl)
+    _, ids, _, t = generate_text(gen, PROMPT, 80, GREEDY, ignore_eos=True)
+    assert ids == base
+    assert t.draft_depth_last == 0 and ctl.depth == 0
+    assert t.draft_depth_sum < 0.5 * 4 * (t.n_steps - 1)  # most steps did not draft
 
 
 def test_profit_controller_in_the_loop_is_lossless_and_reports_depth():

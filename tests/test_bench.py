@@ -25,7 +25,8 @@ from tiny import tiny_model, tiny_tokenizer
 PROMPTS = [{"id": "p0", "prompt": "t5 t9 t17 t3 t22 t41 t5 t9 t17"}]
 LOCAL_CONFIGS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
                  "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
-                 "hybrid-gated-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft"]
+                 "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup",
+                 "hf-dflash", "hf-draft"]
 RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens",
             "completion_tokens", "ttft_ms", "total_ms", "decode_ms", "decode_tokens", "decode_tokens_per_s",
             "decode_source", "finish_reason", "spec", "same_as_baseline", "constrained", "schema_violation",
@@ -34,7 +35,7 @@ SUMMARY_KEYS = {"prompt_set", "temperature", "config", "runs", "errors", "prompt
                 "decode_tokens_per_s", "speedup", "ttft_ms", "decode_source", "acceptance_length", "draft_n",
                 "draft_n_accepted", "acceptance_rate", "per_position_acceptance", "accepted_hist",
                 "same_as_baseline", "constrained", "schema_violations", "grammar_ms_per_token", "grammar_share",
-                "grammar_ms_per_token_by_role", "same_as_own_plain"}
+                "grammar_ms_per_token_by_role", "same_as_own_plain", "draft_ms_per_drafted", "draft_ms_per_token"}
 
 
 def _save(path, seed: int, layers: int):
@@ -64,7 +65,7 @@ def _bench(*args) -> int:
 
 def test_every_local_configuration_runs(files, capsys):
     out, png = files["dir"] / "local.json", files["dir"] / "local.png"
-    rc = _bench("-m", files["target"], "-md", "random:1", "--draft-model", files["draft"],
+    rc = _bench("-m", files["target"], "-md", "random:1", "--draft-model", files["draft"], "--self-draft-layers", "2",
                 "--prompts", files["prompts"], "--max-tokens", "12", "--repeats", "2", "--temperature", "0,0.7",
                 "--threads", "1", "--warmup-tokens", "2", "--json-out", str(out),
                 *(["--plot", str(png)] if _has_matplotlib() else []))

@@ -10,7 +10,7 @@ from flashdraft.sampling import SamplingParams
 #: every configuration ``--configs`` accepts, in report order
 ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
                "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
-               "hybrid-gated-adaptive", "draft", "hf", "hf-lookup", "hf-dflash", "hf-draft",
+               "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
                "zlab", "zlab-dflash")
 
@@ -33,7 +33,10 @@ DESCRIPTIONS = {
     "hybrid-suffix-adaptive": "flashdraft, hybrid with SuffixDecoding as its lookup source, adaptive controller",
     "dflash-gated-adaptive": "flashdraft, DFlash drafter, adaptive controller, blocks cut below the drafter's p_min",
     "hybrid-gated-adaptive": "flashdraft, hybrid, adaptive controller, DFlash blocks cut below the drafter's p_min",
-    "draft": "flashdraft, autoregressive draft model",
+    "draft": "flashdraft, autoregressive draft model (AR assistant drafter), fixed draft length",
+    "draft-adaptive": "flashdraft, AR assistant drafter with the adaptive draft-length controller",
+    "self-draft": "flashdraft, the target's first N layers and head as an untrained AR drafter (-md self:N)",
+    "self-draft-adaptive": "flashdraft, self-draft (-md self:N) with the adaptive draft-length controller",
     "hf": "transformers generate()",
     "hf-lookup": "transformers generate(prompt_lookup_num_tokens=...)",
     "hf-dflash": "transformers generate(assistant_model=<our drafter>, speculation_type='dflash')",
@@ -52,7 +55,7 @@ def adaptive_base(name: str) -> str | None:
     """The spec type of an ``X-adaptive`` configuration (X under the ``profit`` controller), else None."""
     head, sep, _ = name.rpartition("-adaptive")
     return head if sep and not _ and head in ("dflash", "ngram", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
-                                                "hybrid-gated") else None
+                                                "hybrid-gated", "draft", "self-draft") else None
 
 
 def fixed_depth(name: str) -> int | None:

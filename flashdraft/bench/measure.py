@@ -30,6 +30,7 @@ class SpecCounts:
         drafted_per_position: ``[k]`` = steps that proposed a draft token k+1.
         accepted_hist: ``[k]`` = steps that accepted exactly k draft tokens (yielded k+1).
         acceptance_length: τ when the source reports it directly (a server); else derived.
+        draft_ms: time spent drafting, ms (our engine's ``Timings.draft_ms``), else None.
     """
 
     steps: int | None = None
@@ -39,6 +40,8 @@ class SpecCounts:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_hist: list[int] = field(default_factory=list)
     acceptance_length: float | None = None
+    #: ms inside the drafter (our engine only; None where the source does not say)
+    draft_ms: float | None = None
 
     def tau(self) -> float | None:
         """τ: mean tokens per step (accepted drafts + bonus) from the histogram, so the
@@ -75,7 +78,8 @@ def counts_from_timings(t: Timings) -> SpecCounts:
     hist = list(t.step_hist) or [0]
     return SpecCounts(steps=t.n_steps, draft_n=t.draft_n, draft_n_accepted=t.draft_n_accepted,
                       accepted_per_position=list(t.accepted_per_position),
-                      drafted_per_position=list(t.drafted_per_position), accepted_hist=hist)
+                      drafted_per_position=list(t.drafted_per_position), accepted_hist=hist,
+                      draft_ms=t.draft_ms)
 
 
 #: :class:`~flashdraft.constraints.Constraint` calls by role in the loop: the verify rows'

@@ -13,14 +13,16 @@ from flashdraft.bench.constrained import TimedConstraint
 from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
-from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
+from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
 OURS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
         "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive",
-        "draft")
+        "draft", "draft-adaptive", "self-draft", "self-draft-adaptive")
+#: target layers of ``self-draft`` when ``--self-draft-layers`` is not given
+SELF_DRAFT_LAYERS = 4
 #: the confidence gate of the ``-gated`` configurations when ``--spec-draft-p-min`` is not given
 GATED_P_MIN = 0.5
 
@@ -85,12 +87,15 @@ def dflash_drafter_path(model: str | None, drafter: str | None) -> str | None:
     return None
 
 
-def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str | None) -> Contender | Unavailable:
+def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str | None,
+               self_draft_layers: int = SELF_DRAFT_LAYERS) -> Contender | Unavailable:
     """Our configuration ``name`` on ``target``, or why it cannot run.
 
     Args:
         base: engine settings from the command line (n_draft, ctx_size, cross_ctx, drafter).
-        draft_model: path of the autoregressive draft model for ``draft`` (``--draft-model``).
+        draft_model: the AR drafter for ``draft`` (``--draft-model``; default: the shipped one
+            for the default target).
+        self_draft_layers: N of ``self-draft`` (``-md self:N``).
     """
     # plain names draft a fixed length; X-adaptive is X under the profit controller (what serve runs)
     adaptive = adaptive_base(name)
@@ -101,6 +106,8 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     lookup = "suffix" if kind == "hybrid-suffix" else base.lookup
     p_min = (base.p_min or GATED_P_MIN) if kind.endswith("-gated") else base.p_min
     kind = kind.removesuffix("-suffix").removesuffix("-gated")
+    self_draft = kind == "self-draft"
+    kind = "draft" if self_draft else kind
     cfg = EngineConfig(model=base.model, spec_type=kind, lookup=lookup, p_min=p_min, suffix_cache=base.suffix_cache,
                        suffix_factor=base.suffix_factor, suffix_min_prob=base.suffix_min_prob,
                        n_draft=depth or base.n_draft,
@@ -114,9 +121,14 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
         if cfg.draft_model is None:
             return Unavailable(name, "ours", "no DFlash drafter for this target: pass -md PATH "
                                              "(train one with `flashdraft train`)")
-    elif name == "draft":
+    elif self_draft:
+        cfg.draft_model = f"self:{self_draft_layers}"
+    elif kind == "draft":
+        if not draft_model and base.model is None and (DEFAULT_AR_DRAFTER_DIR / "config.json").exists():
+            draft_model = str(DEFAULT_AR_DRAFTER_DIR)
         if not draft_model:
-            return Unavailable(name, "ours", "no draft model: pass --draft-model PATH")
+            return Unavailable(name, "ours", "no draft model: pass --draft-model PATH (train an AR drafter with "
+                                             "`flashdraft train --kind ar`)")
         cfg.draft_model = draft_model
     # warm-up is the runner's job: it runs every configuration the same way
     return EngineContender(name, load_engine(cfg, target=target, warmup=False))

@@ -218,7 +218,7 @@ def _positions(p: list | None) -> str:
 
 SUMMARY_HEADER = ("config", "prompt tok", "completion tok", "decode tok/s", "speedup", "TTFT ms", "τ",
                   "drafted", "accepted", "accept %", f"per-position accept % (1..{SHOWN_POSITIONS})",
-                  "same as baseline", "same as own plain")
+                  "same as baseline", "same as own plain", "draft ms / drafted", "draft ms / token")
 
 
 def summary_header(rows: list[dict]) -> tuple[str, ...]:
@@ -234,7 +234,8 @@ def _row(s: dict, first: str) -> list[str]:
     return [first, str(s["prompt_tokens"]), _num(s["completion_tokens"], "d"), _spread(s["decode_tokens_per_s"]),
             _spread(s["speedup"], ".2f"), _spread(s["ttft_ms"], ".0f"), _num(s["acceptance_length"], ".2f"),
             _num(s["draft_n"], ".0f"), _num(s["draft_n_accepted"], ".0f"), _num(rate, ".0f"),
-            _positions(s["per_position_acceptance"]), _same(s["same_as_baseline"]), _same(s.get("same_as_own_plain"))]
+            _positions(s["per_position_acceptance"]), _same(s["same_as_baseline"]), _same(s.get("same_as_own_plain")),
+            _num(s.get("draft_ms_per_drafted"), ".2f"), _num(s.get("draft_ms_per_token"), ".2f")]
 
 
 GRAMMAR_HEADER = ("config", "decode tok/s", "speedup", "τ", "mask ms/token", "mask % of time",

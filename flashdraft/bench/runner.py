@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p._option_string_actions["-md"].help = ("DFlash drafter for `dflash` and `hf-dflash`: SpecForge dir, GGUF or "
                                             "random[:LAYERS] (default: the shipped one for the default target)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="autoregressive draft model (same tokenizer) for the `draft` and `hf-draft` configurations")
+                   help="autoregressive draft model (same tokenizer) for the `draft` and `hf-draft` configurations: "
+                        "an AR drafter from `flashdraft train --kind ar` or a transformers model (default for "
+                        "`draft`: the shipped AR drafter of the default target)")
+    p.add_argument("--self-draft-layers", type=int, default=4, metavar="N",
+                   help="target layers of the `self-draft` configurations (-md self:N)")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
@@ -204,7 +208,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     for name in names:
         try:
             if is_ours(name):
-                built = build_ours(name, base, target, args.draft_model)
+                built = build_ours(name, base, target, args.draft_model, args.self_draft_layers)
             elif name in HF_PEERS:
                 built = build_hf(name, target, base, args.draft_model, dflash_path)
             elif name in LLAMACPP_PEERS:

@@ -60,9 +60,10 @@ def same_output(a: Generation, b: Generation) -> bool:
 
 def merge_counts(counts: list[SpecCounts]) -> SpecCounts:
     """Sum counters of several generations (steps stay None if any is unknown)."""
-    total = SpecCounts(steps=0)
+    total = SpecCounts(steps=0, draft_ms=0.0)
     for c in counts:
         total.steps = None if total.steps is None or c.steps is None else total.steps + c.steps
+        total.draft_ms = None if total.draft_ms is None or c.draft_ms is None else total.draft_ms + c.draft_ms
         total.draft_n += c.draft_n
         total.draft_n_accepted += c.draft_n_accepted
         for mine, theirs in ((total.accepted_per_position, c.accepted_per_position),
@@ -133,7 +134,8 @@ def _spec_summary(ok: list[RunRecord], n_repeats: int) -> dict:
     specs = [r for r in ok if r.generation.spec is not None]
     if not specs:
         return {"acceptance_length": None, "draft_n": None, "draft_n_accepted": None, "acceptance_rate": None,
-                "per_position_acceptance": None, "accepted_hist": None}
+                "per_position_acceptance": None, "accepted_hist": None, "draft_ms_per_drafted": None,
+                "draft_ms_per_token": None}
     c = merge_counts([r.generation.spec for r in specs])
     tau = c.tau()
     if tau is None:  # a server that reports τ itself (flashdraft) or not at all (llama-server)
@@ -148,6 +150,10 @@ def _spec_summary(ok: list[RunRecord], n_repeats: int) -> dict:
         "per_position_acceptance": [a / d if d else None
                                     for a, d in zip(c.accepted_per_position, c.drafted_per_position)] or None,
         "accepted_hist": c.accepted_hist or None,
+        # the draft cost: ms per proposed draft token, and per generated token (what it adds to decoding)
+        "draft_ms_per_drafted": c.draft_ms / c.draft_n if c.draft_ms is not None and c.draft_n else None,
+        "draft_ms_per_token": (c.draft_ms / tokens if c.draft_ms is not None
+                               and (tokens := sum(r.generation.completion_tokens for r in specs)) else None),
     }
 
 

@@ -1,4 +1,5 @@
-"""``flashdraft train``: regenerate responses with the target, then train a DFlash drafter.
+"""``flashdraft train``: regenerate responses with the target, then train a drafter for it
+(DFlash, or with ``--kind ar`` an autoregressive assistant drafter).
 
 Both phases resume where they stopped: run the same command again after an interruption.
 """
@@ -18,6 +19,13 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", "-m", default=None, help="target model (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--kind", choices=["dflash", "ar"], default="dflash",
+                   help="dflash: a block-diffusion drafter (one forward per block); ar: an autoregressive "
+                        "assistant drafter built from the target's first --layers layers, served with "
+                        "--spec-type draft -md OUT/drafter")
+    p.add_argument("--ar-features", action="store_true",
+                   help="--kind ar: condition on the target's last-layer state of the previous position "
+                        "(EAGLE-1) instead of tokens alone")
     p.add_argument("--out", required=True, help="output directory (checkpoint.pt, drafter/, train_log.jsonl)")
     p.add_argument("--data", default=None,
                    help="regenerated data directory, or several separated by commas (default: OUT/data)")
@@ -119,7 +127,16 @@ def run(args) -> int:
                       feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight,
                       init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
                       heldout_root=args.heldout_root, init_from=args.init_from,
-                      ngram_seeded=args.ngram_seeded, device=str(target.device))
+                      ngram_seeded=args.ngram_seeded, device=str(target.device), kind=args.kind,
+                      ar_features=args.ar_features)
+    if args.kind == "ar":
+        from flashdraft.train.ar_loop import ARTrainer
+
+        result = ARTrainer(cfg, target=target).train()
+        print(json.dumps(result))
+        print(f"drafter written to {out / 'drafter'}; serve it with: "
+              f"flashdraft serve --spec-type draft -md {out / 'drafter'}")
+        return 0
     result = Trainer(cfg, target=target).train()
     print(json.dumps(result))
     print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve -md {out / 'drafter'}")

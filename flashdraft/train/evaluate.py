@@ -160,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model (same as -m/--model; default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", dest="spec_draft_model", default=argparse.SUPPRESS,
                    help="drafter (same as -md/--spec-draft-model; default with the packaged target: "
-                        "the shipped DFlash drafter)")
+                        "the shipped DFlash drafter; with --offline also an AR drafter directory or self:N)")
     p.add_argument("--block-size", type=int, default=None,
                    help="DFlash block size B: draft B-1 tokens per step (overrides --spec-draft-n-max)")
     p.add_argument("--dataset", default="humaneval",

@@ -106,6 +106,11 @@ class TrainConfig:
     init_from: str | None = None
     #: train an n-gram-seeded drafter (``dflash_config.ngram_seeded``; see :func:`seed_block`)
     ngram_seeded: bool = False
+    #: ``dflash`` (block diffusion) or ``ar`` (an autoregressive assistant drafter,
+    #: :mod:`flashdraft.train.ar_loop`)
+    kind: str = "dflash"
+    #: AR drafter only: read the target's last-layer state (EAGLE-1) instead of tokens alone
+    ar_features: bool = False
 
 
 def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenizer=None) -> torch.Tensor:

@@ -343,7 +343,7 @@ def reference_sequences(data_dirs) -> list[tuple[torch.Tensor, int]]:
 
 def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, max_tokens: int = 256,
                  bigram: BigramTable | None = None, limit: int | None = None, progress: bool = True,
-                 ngram_depth: int | None = None) -> dict:
+                 ngram_depth: int | None = None, ar_drafter=None) -> dict:
     """τ and per-position acceptance of the drafter and the reference drafters on one answer set.
 
     Args:
@@ -351,6 +351,7 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
         ngram_depth: longest prompt-lookup draft of the hybrid (as ``--spec-type hybrid``
             online, whose copies may run past the DFlash block); when it exceeds ``n_draft``,
             prompt lookup is also walked at that depth (``"ngram (depth D)"``).
+        ar_drafter: an :class:`~flashdraft.drafters.ar.ARDrafter` walked as ``"draft (AR)"``.
     Returns ``{"dflash": stats, "ngram": stats, "bigram": stats, ...}`` (the :class:`AcceptanceStats`
     dict of each; ``dflash`` and the hybrids only when a drafter is given, ``bigram`` only with a table).
     ``suffix`` drafts from the answer's own prompt and answer so far, ``suffix (+ past answers)``
@@ -360,9 +361,16 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
     from flashdraft.drafters.ngram import NgramDrafter
 
     layer_ids = dflash_model.target_layer_ids if dflash_model is not None else []
+    if ar_drafter is not None and ar_drafter.feature_layer_ids:
+        layer_ids = ar_drafter.feature_layer_ids
     answers = load_answers(answers_dir, target, layer_ids, limit)
     eos = target.eos_token_ids
     out = {}
+    if ar_drafter is not None:
+        from flashdraft.train.ar_loop import ar_proposer
+
+        out["draft (AR)"] = walk_dataset(answers, ar_proposer(ar_drafter, target), n_draft, max_tokens, eos,
+                                         progress, "draft (AR)")
     if dflash_model is not None:
         model = dflash_model.eval()
         head = target.lm_head.weight.detach()
@@ -443,6 +451,7 @@ def run_offline(args) -> int:
     """``flashdraft eval --offline``: answers regenerated once, then walked by each drafter."""
     import json
 
+    from flashdraft.drafters.ar_model import is_ar_drafter
     from flashdraft.drafters.dflash import load_dflash_model
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
 
@@ -457,8 +466,18 @@ def run_offline(args) -> int:
     target = load_engine_target(EngineConfig(model=args.model, weights=args.weights, spec_type="none",
                                              backend=getattr(args, "backend", "auto"), device="cpu"))
     drafter_path = getattr(args, "spec_draft_model", None) or (None if args.model else DEFAULT_DRAFTER_DIR)
-    model = load_dflash_model(drafter_path) if drafter_path else None
-    n_draft = (args.block_size - 1) if args.block_size else (model.block_size - 1 if model else 15)
+    ar = None
+    if drafter_path and (str(drafter_path).startswith("self:") or is_ar_drafter(drafter_path)):
+        from flashdraft.engine import draft_model_drafter
+
+        # an AR drafter (or self:N) walks at the shipped DFlash drafter's depth unless --block-size says
+        ar = draft_model_drafter(EngineConfig(model=args.model, spec_type="draft", draft_model=str(drafter_path)),
+                                 target)
+        model = None
+    else:
+        model = load_dflash_model(drafter_path) if drafter_path else None
+    depth = model.block_size - 1 if model else (7 if ar else 15)
+    n_draft = (args.block_size - 1) if args.block_size else depth
     data_dirs = args.bigram_data or default_training_dirs()
     bigram = BigramTable(reference_sequences(data_dirs), target.vocab_size) if data_dirs else None
     ngram_depth = getattr(args, "spec_draft_n_max", None)  # the hybrid's n-gram depth online
@@ -469,7 +488,7 @@ def run_offline(args) -> int:
             directory = ensure_heldout_answers(target, dataset, temperature, args.heldout_root, args.max_tokens,
                                                args.limit, progress=not args.json)
             results = offline_eval(target, model, directory, n_draft, args.max_tokens, bigram, args.limit,
-                                   progress=not args.json, ngram_depth=ngram_depth)
+                                   progress=not args.json, ngram_depth=ngram_depth, ar_drafter=ar)
             report["results"][f"{dataset}@{temperature:g}"] = results
             if not args.json:
                 print(format_offline_table(dataset, temperature, results), "\n", flush=True)
