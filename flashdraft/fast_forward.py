@@ -313,7 +313,8 @@ class LeanForward:
         return x + self.proj[i][3](F.silu(gate) * up)[0]
 
     def forward(self, token_ids: torch.Tensor, cache: StaticKVCache | QuantizedKVCache, logits_from: int = 0,
-                feature_layer_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                feature_layer_ids: list[int] | tuple[int, ...] = (),
+                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``token_ids`` at positions ``cache.length ..``; the cache grows by T.
 
         Args:
@@ -321,6 +322,8 @@ class LeanForward:
             cache: the sequence's static cache (capacity grown when needed).
             logits_from: logits only for input rows ``>= logits_from``.
             feature_layer_ids: decoder layers whose outputs to return, in this order.
+            inputs_embeds: ``[T, H]`` the first layer's input instead of the embeddings of
+                ``token_ids`` (an EAGLE-style drafter fuses features into it).
         Returns:
             ``(logits [T - logits_from, V] float32, features [T, k*H] or None)``.
         """
@@ -346,7 +349,8 @@ class LeanForward:
         eps = self.eps
 
         # the step's only host->device copy: its token ids
-        x = F.embedding(token_ids.to(self.device), self.embed.weight)  # [T, H]
+        x = (F.embedding(token_ids.to(self.device), self.embed.weight) if inputs_embeds is None
+             else inputs_embeds)  # [T, H]
         for i in range(self.n_layers):
             q, k, v = self._qkv(i, x, cos, sin)
             ad = self.attn_dtype  # no-ops for float32 weights

@@ -164,3 +164,18 @@ def test_trainer_learns_and_resumes_from_its_checkpoint(tmp_path, target, featur
     assert resumed.step == 8
     assert loss_now(resumed) < before
     assert isinstance(resumed.model, ARDraftModel) and resumed.model.use_features == features
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_lean_forward_drafts_what_transformers_drafts(target, features):
+    """The 1-token steps run on the lean forward; transformers' forward is the reference."""
+    model = ar_from_target(target.model, 2, features, D2T)
+    embed = target.embed_tokens.weight.detach()
+    lean, ref = ARDrafter(model, embed, target.vocab_size), ARDrafter(model, embed, target.vocab_size, lean=False)
+    assert lean.lean is not None and ref.lean is None
+    drafts = []
+    for d in (lean, ref):
+        gen = SpeculativeGenerator(target, d, n_draft=4)
+        _, ids, _, t = generate_text(gen, PROMPTS[1], 24, SamplingParams(), ignore_eos=True)
+        drafts.append((ids, t.draft_n, t.draft_n_accepted, t.accepted_per_position))
+    assert drafts[0] == drafts[1]

@@ -8,6 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from flashdraft.drafters.ar import ARDrafter
+from flashdraft.drafters.ar_model import ar_from_target
 from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
 from flashdraft.drafters.draft_model import DraftModelDrafter
 from flashdraft.drafters.ngram import NgramDrafter
@@ -81,7 +83,7 @@ def _chi2_pvalue(samples: list[int], expected_probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), ex.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "draft", "ngram"])
+@pytest.mark.parametrize("kind", ["dflash", "draft", "ngram", "ar"])
 def test_speculative_sampling_matches_target_distribution(kind):
     target = tiny_target("llama", seed=1, layers=2, hidden=32)
     params = SamplingParams(temperature=1.0, top_k=20)
@@ -90,6 +92,10 @@ def test_speculative_sampling_matches_target_distribution(kind):
         "dflash": lambda: DFlashDrafter(random_dflash_model(target.model, 1, 4), target.embed_tokens, target.lm_head),
         "draft": lambda: DraftModelDrafter(tiny_model("llama", seed=9, layers=2, hidden=32), VOCAB),
         "ngram": lambda: NgramDrafter(),
+        # an AR drafter from the target's first layer, EAGLE features on, a draft vocabulary of
+        # every other id: q is 0 outside it, and the residual still restores the target's p
+        "ar": lambda: ARDrafter(ar_from_target(target.model, 1, use_features=True, d2t=torch.arange(0, VOCAB, 2)),
+                                target.embed_tokens.weight, VOCAB),
     }[kind]()
     gen = SpeculativeGenerator(target, drafter, n_draft=3)
     exact = _exact_marginals(target, prompt, params)
