@@ -17,7 +17,8 @@ from flashdraft.device import HOST
 from flashdraft.drafters.ar_model import ARDraftModel
 from flashdraft.drafters.base import Draft, Drafter
 from flashdraft.fast_forward import LeanForward, unsupported_reason
-from flashdraft.sampling import SamplingParams, filtered_probs, sample
+from flashdraft.drafters.draft_model import pick_draft_token
+from flashdraft.sampling import SamplingParams
 
 
 class ARDrafter(Drafter):
@@ -137,13 +138,7 @@ class ARDrafter(Drafter):
         out, probs = [], []
         for k in range(n):
             # 2. the next draft token: argmax at T = 0, sampled from q (kept for verify) at T > 0
-            logits = self._full_logits(z)
-            if params.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                q = filtered_probs(logits[None], params)
-                tok = int(sample(q, generator)[0])
-                probs.append(q[0])
+            tok = pick_draft_token(self._full_logits(z), params, generator, probs)
             out.append(tok)
             if k + 1 < n:  # 3. run it; with features, its own state stands in for the target's
                 state = ARDraftModel.state(hidden)[None] if self.model.use_features else None

@@ -14,6 +14,18 @@ from flashdraft.drafters.base import Draft, Drafter
 from flashdraft.sampling import SamplingParams, filtered_probs, sample
 
 
+def pick_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                     probs: list[torch.Tensor]) -> int:
+    """One autoregressive draft token from logits ``[V]``: the argmax at T = 0; at T > 0 a
+    sample from the filtered q, whose ``[V]`` row is appended to ``probs`` for verify
+    (speculative sampling needs the distribution each draft was drawn from)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    q = filtered_probs(logits[None], params)
+    probs.append(q[0])
+    return int(sample(q, generator)[0])
+
+
 class DraftModelDrafter(Drafter):
     """Autoregressive drafter around a transformers causal LM.
 
@@ -70,12 +82,7 @@ class DraftModelDrafter(Drafter):
         out, probs = [], []
         for k in range(n):
             # 2. pick the next draft token (sampled from q at T > 0, argmax at T = 0)
-            if params.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                q = filtered_probs(logits[None], params)
-                tok = int(sample(q, generator)[0])
-                probs.append(q[0])
+            tok = pick_draft_token(logits, params, generator, probs)
             out.append(tok)
             if k + 1 < n:
                 logits = self._step(torch.tensor([tok], device=HOST))

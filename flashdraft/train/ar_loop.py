@@ -15,7 +15,6 @@ Same data, schedule, checkpointing, CPU-hour budget and held-out walk as the DFl
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -31,7 +30,8 @@ from flashdraft.device import autocast_device_type, resolve_device
 from flashdraft.drafters.ar import ARDrafter
 from flashdraft.drafters.ar_model import ARDraftModel, ar_from_target, load_ar_drafter, save_ar_drafter
 from flashdraft.target import Target
-from flashdraft.train.loop import TrainConfig, bf16_default, draft_vocabulary
+from flashdraft.train.loop import (TrainConfig, bf16_default, checkpoint_and_eval, draft_vocabulary, record_eval,
+                                   write_log)
 from flashdraft.train.objective import cosine_lr
 from flashdraft.train.shards import read_shards
 
@@ -249,17 +249,9 @@ class ARTrainer:
                 if self.step % 10 == 0:
                     bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{acc:.3f}", ep=self.epoch,
                                     cpu_h=f"{self.cpu_seconds / 3600:.3f}")
-                    log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "loss": loss_avg,
-                                               "acc": [round(acc, 4)], "epoch": self.epoch, "lr": lr,
-                                               "cpu_hours": round(self.cpu_seconds / 3600, 4),
-                                               "time": time.time()}) + "\n")
-                    log_file.flush()
-                if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes:
-                    self.save()
-                    last_ckpt = time.time()
-                if cfg.eval_minutes and time.time() - last_eval > 60 * cfg.eval_minutes:
-                    self._log_eval(log_file)
-                    last_eval = time.time()
+                    write_log(self, log_file, {"loss": loss_avg, "acc": [round(acc, 4)], "epoch": self.epoch,
+                                               "lr": lr})
+                last_ckpt, last_eval = checkpoint_and_eval(self, log_file, last_ckpt, last_eval)
         finally:
             bar.close()
             self.save()
@@ -272,22 +264,7 @@ class ARTrainer:
 
     def _log_eval(self, log_file) -> dict:
         """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""
-        result = self.evaluate()
-        taus = [v for key, v in result.items() if key.startswith("tau_")]
-        tau = sum(taus) / len(taus) if taus else 0.0
-        improved = self.best_tau is None or tau > self.best_tau
-        if improved:
-            self.best_tau = tau
-            save_ar_drafter(self.out / "drafter-best", self.model)
-            (self.out / "drafter-best" / "eval.json").write_text(json.dumps(
-                {"step": self.step, "cpu_hours": round(self.cpu_seconds / 3600, 4), **result}) + "\n")
-        log.info("step %d (%.3f CPU-h): held-out %s%s", self.step, self.cpu_seconds / 3600, result,
-                 " (best so far)" if improved else "")
-        log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "eval": result,
-                                   "cpu_hours": round(self.cpu_seconds / 3600, 4), "best": improved,
-                                   "time": time.time()}) + "\n")
-        log_file.flush()
-        return result
+        return record_eval(self, log_file, self.evaluate(), lambda d: save_ar_drafter(d, self.model))
 
 
 def ar_proposer(drafter: ARDrafter, target):

@@ -459,18 +459,9 @@ class Trainer:
                     t_window, rows_window = time.time(), 0
                     bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[min(3, acc.numel() - 1)]:.2f}",
                                     acc_mean=f"{acc.mean():.2f}", tok_s=f"{rate:.0f}", ep=self.epoch)
-                    log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "loss": loss_avg,
-                                               "acc": [round(float(a), 4) for a in acc], "tok_s": rate,
-                                               "epoch": self.epoch, "sequences": len(self.seqs),
-                                               "cpu_hours": round(self.cpu_seconds / 3600, 4),
-                                               "time": time.time()}) + "\n")
-                    log_file.flush()
-                if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes:
-                    self.save()
-                    last_ckpt = time.time()
-                if cfg.eval_minutes and time.time() - last_eval > 60 * cfg.eval_minutes:
-                    self._log_eval(log_file)
-                    last_eval = time.time()
+                    write_log(self, log_file, {"loss": loss_avg, "acc": [round(float(a), 4) for a in acc],
+                                               "tok_s": rate, "epoch": self.epoch, "sequences": len(self.seqs)})
+                last_ckpt, last_eval = checkpoint_and_eval(self, log_file, last_ckpt, last_eval)
         finally:
             bar.close()
             self.save()
@@ -483,19 +474,47 @@ class Trainer:
         """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""
         from flashdraft.drafters.dflash_format import save_specforge
 
-        result = self.evaluate()
-        taus = [v for k, v in result.items() if k.startswith("tau_")]
-        tau = sum(taus) / len(taus) if taus else 0.0
-        improved = self.best_tau is None or tau > self.best_tau
-        if improved:
-            self.best_tau = tau
-            save_specforge(self.out / "drafter-best", self.drafter.config, self.drafter.state_dict())
-            (self.out / "drafter-best" / "eval.json").write_text(json.dumps(
-                {"step": self.step, "cpu_hours": round(self.cpu_seconds / 3600, 4), **result}) + "\n")
-        log.info("step %d (%.2f CPU-h): held-out %s%s", self.step, self.cpu_seconds / 3600, result,
-                 " (best so far)" if improved else "")
-        log_file.write(json.dumps({"step": self.step, "tokens": self.tokens_seen, "eval": result,
-                                   "cpu_hours": round(self.cpu_seconds / 3600, 4), "best": improved,
-                                   "time": time.time()}) + "\n")
-        log_file.flush()
-        return result
+        return record_eval(self, log_file, self.evaluate(),
+                           lambda d: save_specforge(d, self.drafter.config, self.drafter.state_dict()))
+
+
+def write_log(trainer, log_file, fields: dict) -> None:
+    """One training-log line: step, tokens, ``fields``, CPU-hours and the wall clock."""
+    log_file.write(json.dumps({"step": trainer.step, "tokens": trainer.tokens_seen, **fields,
+                               "cpu_hours": round(trainer.cpu_seconds / 3600, 4), "time": time.time()}) + "\n")
+    log_file.flush()
+
+
+def checkpoint_and_eval(trainer, log_file, last_ckpt: float, last_eval: float) -> tuple[float, float]:
+    """Checkpoint every ``checkpoint_minutes`` and evaluate every ``eval_minutes`` (0 = never)
+    of wall time; returns the new ``(last_ckpt, last_eval)`` times."""
+    cfg = trainer.cfg
+    if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes:
+        trainer.save()
+        last_ckpt = time.time()
+    if cfg.eval_minutes and time.time() - last_eval > 60 * cfg.eval_minutes:
+        trainer._log_eval(log_file)
+        last_eval = time.time()
+    return last_ckpt, last_eval
+
+
+def record_eval(trainer, log_file, result: dict, save_best) -> dict:
+    """Log a held-out evaluation ``result`` (``tau_*`` keys) of ``trainer`` (a :class:`Trainer`
+    or :class:`~flashdraft.train.ar_loop.ARTrainer`: ``out``, ``step``, ``tokens_seen``,
+    ``cpu_seconds``, ``best_tau``) and, when its mean τ is the best so far, write the drafter
+    with ``save_best(OUT / "drafter-best")`` beside an ``eval.json``. Returns ``result``."""
+    taus = [v for k, v in result.items() if k.startswith("tau_")]
+    tau = sum(taus) / len(taus) if taus else 0.0
+    improved = trainer.best_tau is None or tau > trainer.best_tau
+    cpu_hours = round(trainer.cpu_seconds / 3600, 4)
+    if improved:
+        trainer.best_tau = tau
+        save_best(trainer.out / "drafter-best")
+        (trainer.out / "drafter-best" / "eval.json").write_text(json.dumps(
+            {"step": trainer.step, "cpu_hours": cpu_hours, **result}) + "\n")
+    log.info("step %d (%.3f CPU-h): held-out %s%s", trainer.step, cpu_hours, result,
+             " (best so far)" if improved else "")
+    log_file.write(json.dumps({"step": trainer.step, "tokens": trainer.tokens_seen, "eval": result,
+                               "cpu_hours": cpu_hours, "best": improved, "time": time.time()}) + "\n")
+    log_file.flush()
+    return result
