@@ -100,7 +100,7 @@ def test_engine_refuses_bad_self_and_another_targets_drafter(tmp_path, target):
 
 @pytest.mark.parametrize("features", [False, True])
 def test_walk_equals_online(target, features):
-    from flashdraft.train.ar_loop import ar_proposer
+    from flashdraft.train.walk import ar_proposer
     from flashdraft.train.evaluate import _run_one
     from flashdraft.train.stats import AcceptanceStats
     from flashdraft.train.walk import walk_dataset

@@ -175,7 +175,7 @@ class ARTrainer:
     def evaluate(self) -> dict:
         """Held-out τ at T=0 by the offline walk (:mod:`flashdraft.train.walk`) at depth 7,
         the shipped DFlash drafter's, on ``eval_answers`` answers of HumanEval and ShareGPT."""
-        from flashdraft.train.walk import heldout_answers_dir, load_answers, walk_dataset
+        from flashdraft.train.walk import ar_proposer, heldout_answers_dir, load_answers, walk_dataset
 
         layer_ids = self.model.feature_layer_ids or []
         result = {}
@@ -266,27 +266,3 @@ class ARTrainer:
         """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""
         return record_eval(self, log_file, self.evaluate(), lambda d: save_ar_drafter(d, self.model))
 
-
-def ar_proposer(drafter: ARDrafter, target):
-    """``proposer_for(ids, n_prompt, features)`` for :func:`~flashdraft.train.walk.walk_dataset`:
-    the AR drafter asked at every anchor after a commit of the context before it, as the online
-    loop does (with features: the target's states of that context)."""
-    from flashdraft.sampling import SamplingParams
-
-    params, gen = SamplingParams(), torch.Generator().manual_seed(0)
-
-    def proposer_for(ids, n_prompt, feats):
-        if drafter.feature_layer_ids and feats is None:
-            from flashdraft.train.walk import target_features
-
-            feats = target_features(target, ids, drafter.feature_layer_ids)
-        drafter.reset()
-
-        def propose(i: int, room: int) -> list[int]:
-            a = n_prompt + i
-            drafter.commit(a, None if feats is None else feats[:a])
-            return drafter.propose(ids[:a + 1], room, params, gen).tokens.tolist()
-
-        return propose
-
-    return proposer_for

@@ -192,6 +192,29 @@ class DrafterProposals:
         return self.drafter.propose(self.ids[:a + 1], room, self.params, self.gen).tokens.tolist()
 
 
+def ar_proposer(drafter, target):
+    """``proposer_for(ids, n_prompt, features)`` for :func:`~flashdraft.train.walk.walk_dataset`:
+    the AR drafter asked at every anchor after a commit of the context before it, as the online
+    loop does (with features: the target's states of that context)."""
+    from flashdraft.sampling import SamplingParams
+
+    params, gen = SamplingParams(), torch.Generator().manual_seed(0)
+
+    def proposer_for(ids, n_prompt, feats):
+        if drafter.feature_layer_ids and feats is None:
+            feats = target_features(target, ids, drafter.feature_layer_ids)
+        drafter.reset()
+
+        def propose(i: int, room: int) -> list[int]:
+            a = n_prompt + i
+            drafter.commit(a, None if feats is None else feats[:a])
+            return drafter.propose(ids[:a + 1], room, params, gen).tokens.tolist()
+
+        return propose
+
+    return proposer_for
+
+
 class SuffixHistory:
     """Suffix-drafter proposals (:class:`~flashdraft.drafters.suffix.SuffixDrafter`) for answers
     walked in order, as one client's requests: each answer's tree is its own prompt and
@@ -367,8 +390,6 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
     eos = target.eos_token_ids
     out = {}
     if ar_drafter is not None:
-        from flashdraft.train.ar_loop import ar_proposer
-
         out["draft (AR)"] = walk_dataset(answers, ar_proposer(ar_drafter, target), n_draft, max_tokens, eos,
                                          progress, "draft (AR)")
     if dflash_model is not None:
