@@ -251,14 +251,10 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         return ARDrafter(model, embed, target.vocab_size)
     if is_ar_drafter(path):
         model = load_ar_drafter(path, cfg.dtype, target.device)
-        want = model.config["ar_drafter"].get("num_target_layers")
-        if want and int(want) != target.num_layers:
-            raise ValueError(f"AR drafter {path} was trained for another target: {want} target layers, "
-                             f"{target.name} has {target.num_layers}; train one with `flashdraft train --kind ar`")
-        try:
-            return ARDrafter(model, embed, target.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"AR drafter {path} was trained for another target: {e}") from None
+        # the same refusal as a DFlash drafter's: hidden size, vocabulary, target layer count
+        check_drafter_fits({**model.config, "num_target_layers": model.config["ar_drafter"].get("num_target_layers")},
+                           target, path)
+        return ARDrafter(model, embed, target.vocab_size)
     if path == "target" and getattr(target, "model", None) is None:
         raise ValueError("-md target drafts with the target's torch model: use --backend torch, or -md self:N")
     model = target.model if path == "target" else load_hf_model(path, cfg.dtype, target.device)[0]
