@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 SPEC_TYPES = ("none", "dflash", "draft", "ngram", "suffix", "hybrid")
 #: lookup sources of the hybrid (``--spec-lookup``)
 LOOKUPS = ("ngram", "suffix")
-#: drafter shipped for the packaged default target (trained with ``flashdraft train``)
-DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-dflash"
+#: packaged drafters, one directory each (trained with ``flashdraft train``)
+DRAFTERS_DIR = Path(__file__).parent / "assets" / "drafters"
+#: the DFlash drafter shipped for the packaged default target
+DEFAULT_DRAFTER_DIR = DRAFTERS_DIR / "smollm2-135m-instruct-dflash"
 #: AR assistant drafter shipped for the packaged default target (``flashdraft train --kind ar``)
-DEFAULT_AR_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafters" / "smollm2-135m-instruct-ar"
+DEFAULT_AR_DRAFTER_DIR = DRAFTERS_DIR / "smollm2-135m-instruct-ar"
 
 
 @dataclass
@@ -191,8 +193,9 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
     path = cfg.draft_model
     if path is None:
-        if cfg.model is None and (DEFAULT_DRAFTER_DIR / "config.json").exists():
-            path = str(DEFAULT_DRAFTER_DIR)
+        shipped = DEFAULT_DRAFTER_DIR if cfg.model is None else shipped_drafter_for(target)
+        if shipped is not None and (shipped / "config.json").exists():
+            path = str(shipped)
         else:
             raise ValueError(f"--spec-type {cfg.spec_type} needs --spec-draft-model PATH (a DFlash drafter trained for "
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
@@ -271,6 +274,20 @@ def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
 
 
+def shipped_drafter_for(target) -> Path | None:
+    """The packaged DFlash drafter made for ``target``'s shape (hidden size, vocabulary,
+    layer count: what :func:`check_drafter_fits` checks), or None. So ``-m`` on a GGUF of a
+    target we ship a drafter for (SmolLM2-135M-Instruct, Gemma 3 270M) needs no ``-md``."""
+    import json
+
+    for config_path in sorted(DRAFTERS_DIR.glob("*-dflash/config.json")):
+        config = json.loads(config_path.read_text())
+        if (int(config["hidden_size"]), int(config["vocab_size"]), int(config.get("num_target_layers") or -1)) == \
+                (target.hidden_size, target.vocab_size, target.num_layers):
+            return config_path.parent
+    return None
+
+
 def check_drafter_fits(config: dict, target, path: str) -> None:
     """Refuse a DFlash drafter trained for another target, before anything runs.
 
@@ -298,7 +315,8 @@ def load_engine_target(cfg: EngineConfig):
     log_device(cfg.device, device)
     kv = cfg.kv_spec()
     choice = choose_backend(cfg.backend, cfg.model, cfg.weights, device, kv=kv,
-                            draft_model=cfg.draft_model if cfg.spec_type != "none" else None)
+                            draft_model=cfg.draft_model if cfg.spec_type != "none" else None,
+                            features=cfg.spec_type in ("dflash", "hybrid"))
     log.info("%s", choice.line())
     if choice.backend == "llama" and not cfg.cache_types_given:
         kv = KVCacheSpec("f16", "f16")

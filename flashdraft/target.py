@@ -104,6 +104,16 @@ def load_hf_model(path: str | Path | None, dtype: torch.dtype = torch.float32,
     return model, tokenizer
 
 
+def rollback_cache(config) -> DynamicCache:
+    """A transformers cache for ``config`` that can roll back: its sliding-window layers
+    (Gemma 3) keep the positions past the window until the next crop, which the verify step's
+    rollback needs once a sequence is longer than the window."""
+    kv = DynamicCache(config=config)
+    if hasattr(kv, "activate_past_recording"):
+        kv.activate_past_recording()
+    return kv
+
+
 @dataclass
 class TargetCache:
     """KV cache of the target for one sequence on the transformers path, with rollback.
@@ -145,6 +155,17 @@ class TokenizerSide:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.encode(text)
+
+    def user_prompt_ids(self, text: str, raw_text: str | None = None) -> list[int]:
+        """Ids of a one-turn request for ``text``: the chat template when the model has one;
+        a base model (no template) gets the plain text (``raw_text`` when given, e.g.
+        HumanEval's bare function header), with the BOS token when its tokenizer adds one
+        (llama-server tokenises a completion prompt that way; Gemma answers noise without it)."""
+        if self.has_chat_template:
+            return self.chat_prompt_ids([{"role": "user", "content": text}])
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        add_bos = bool(getattr(self.tokenizer, "add_bos_token", False)) and bos is not None
+        return ([bos] if add_bos else []) + self.encode(raw_text or text)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it are parsed as special tokens."""
@@ -189,6 +210,10 @@ class Target(TokenizerSide):
         self.backbone = model.get_decoder()  # embeddings + layers + final norm
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
+        if type(self.embed_tokens).forward is not torch.nn.Embedding.forward:
+            # Gemma scales its embeddings inside the model; drafters read the raw table, as
+            # they do from a GGUF on the llama backend, so one drafter serves on both
+            self.embed_tokens = torch.nn.Embedding.from_pretrained(self.embed_tokens.weight, freeze=True)
         self.device = self.embed_tokens.weight.device
         if q4 and self.device.type != "cpu":
             raise ValueError(f"--weights q4 runs on CPU-only int4 kernels; use --device cpu, or --weights fp32/bf16 "
@@ -321,7 +346,7 @@ class Target(TokenizerSide):
             raise ValueError(f"target {self.name}: compressed KV cache types ({kv.label()}) need the lean "
                              "forward (llama/qwen families, FLASHDRAFT_FAST not 0)")
         if not fast:
-            return TargetCache(DynamicCache(config=self.config))
+            return TargetCache(rollback_cache(self.config))
         if self.lean is None:
             raise ValueError(f"target {self.name}: the lean forward is not available")
         return self.lean.new_cache(capacity or DEFAULT_CACHE_CAPACITY, kv)

@@ -33,6 +33,34 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int 
     return model.eval()
 
 
+def tiny_gemma3(seed: int = 0, layers: int = 4, hidden: int = 64, sliding_window: int = 16):
+    """A random Gemma-3-shaped causal LM: scaled embeddings, ``1 + w`` sandwich norms, q/k
+    norms, GELU, tied head, sliding-window layers (window ``sliding_window``), BOS = 1."""
+    from transformers import Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=1,
+                              head_dim=hidden // 2, max_position_embeddings=512, eos_token_id=0, pad_token_id=0,
+                              bos_token_id=1, sliding_window=sliding_window, tie_word_embeddings=True,
+                              query_pre_attn_scalar=hidden // 2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # norms away from their zero init (so 1 + w != w), peaked logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+        model.model.embed_tokens.weight.mul_(0.3)
+    return model
+
+
+def tiny_gemma3_target(seed: int = 0, **kw) -> Target:
+    """:func:`tiny_gemma3` as a base model (no chat template) whose tokenizer adds BOS (``t1``)."""
+    tok = tiny_tokenizer()
+    tok.bos_token = "t1"
+    tok.add_bos_token = True
+    return Target(tiny_gemma3(seed, **kw), tok, name="tiny-gemma3")
+
+
 def tiny_target(arch: str = "llama", seed: int = 0, **kw) -> Target:
     return Target(tiny_model(arch, seed, **kw), tiny_tokenizer(), name=f"tiny-{arch}")
 

@@ -13,7 +13,7 @@ from flashdraft.bench.constrained import TimedConstraint
 from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
-from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, DEFAULT_DRAFTER_DIR, EngineConfig, load_engine
+from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, DEFAULT_DRAFTER_DIR, EngineConfig, load_engine, shipped_drafter_for
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
@@ -78,13 +78,15 @@ class EngineContender(Contender):
                           finish_reason=finish, spec=spec, grammar=None if constraint is None else constraint.cost)
 
 
-def dflash_drafter_path(model: str | None, drafter: str | None) -> str | None:
-    """The DFlash drafter to use: ``-md`` if given, else the shipped one for the default target."""
+def dflash_drafter_path(model: str | None, drafter: str | None, target=None) -> str | None:
+    """The DFlash drafter to use: ``-md`` if given, else the shipped one for the default
+    target, or for ``target``'s shape (:func:`~flashdraft.engine.shipped_drafter_for`)."""
     if drafter:
         return drafter
     if model is None and (Path(DEFAULT_DRAFTER_DIR) / "config.json").exists():
         return str(DEFAULT_DRAFTER_DIR)
-    return None
+    shipped = None if target is None else shipped_drafter_for(target)
+    return None if shipped is None else str(shipped)
 
 
 def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str | None,
@@ -117,7 +119,7 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
                        kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)
     if cfg.spec_type in ("dflash", "hybrid"):
-        cfg.draft_model = dflash_drafter_path(base.model, base.draft_model)
+        cfg.draft_model = dflash_drafter_path(base.model, base.draft_model, target)
         if cfg.draft_model is None:
             return Unavailable(name, "ours", "no DFlash drafter for this target: pass -md PATH "
                                              "(train one with `flashdraft train`)")

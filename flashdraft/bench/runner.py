@@ -161,10 +161,8 @@ def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, tar
         for item in load_prompt_set(s, limit):
             ids = None
             if target is not None:
-                if target.has_chat_template:
-                    ids = target.chat_prompt_ids([{"role": "user", "content": item["prompt"]}])
-                else:  # a base model: the raw text (HumanEval's bare function header when there is one)
-                    ids = target.encode(item.get("raw_prompt", item["prompt"]))
+                # a base model: the raw text (HumanEval's bare function header when there is one)
+                ids = target.user_prompt_ids(item["prompt"], item.get("raw_prompt"))
             schema = item.get("schema")
             grammar = None
             if schema is not None:
@@ -202,7 +200,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     from flashdraft.cli import engine_config
 
     base = engine_config(args)
-    dflash_path = dflash_drafter_path(args.model, args.spec_draft_model)
+    dflash_path = dflash_drafter_path(args.model, args.spec_draft_model, target)
     threads = torch.get_num_threads()  # set by run(): -t or the default, the same for every configuration
     out = []
     for name in names:

@@ -297,7 +297,8 @@ def init_from_target(drafter: DFlashDraftModel, target_model, layer_ids: list[in
 
     Attention/MLP/norm weights are copied where shapes match (q/k norms stay 1 where the
     target has none); the final norm is the target's, so the shared LM head sees inputs on
-    its usual scale. ``layer_ids`` defaults to the target's last layers.
+    its usual scale. ``layer_ids`` defaults to the target's last layers. Norms are copied as
+    their effective gain (:func:`norm_gain`: Gemma stores ``1 + w`` as ``w``).
     """
     layers = target_model.get_decoder().layers
     if layer_ids is None:
@@ -305,17 +306,40 @@ def init_from_target(drafter: DFlashDraftModel, target_model, layer_ids: list[in
     with torch.no_grad():
         for layer, src_id in zip(drafter.layers, layer_ids):
             copy_target_layer(layer, layers[src_id])
-        drafter.norm.weight.copy_(target_model.get_decoder().norm.weight)
+        drafter.norm.weight.copy_(norm_gain(target_model.get_decoder().norm))
+
+
+def norm_gain(norm: nn.Module) -> torch.Tensor:
+    """The per-channel gain ``g`` of an RMS norm module (``norm(x) = g * x / rms(x)``): its
+    ``weight``, or ``1 + weight`` for norms that store the offset (Gemma), told apart by
+    normalising a vector of ones."""
+    w = norm.weight.detach().float()
+    with torch.no_grad():
+        out = norm(torch.ones(1, w.shape[0], dtype=norm.weight.dtype, device=w.device)).float()[0]
+    return (1 + w) if (out - (1 + w)).abs().max() < (out - w).abs().max() else w
 
 
 def copy_target_layer(layer: nn.Module, target_layer: nn.Module) -> None:
     """Copy a target decoder layer's weights into a drafter layer where names and shapes
-    match (q/k norms the target lacks stay as they are)."""
+    match (q/k norms the target lacks stay as they are). Norms go in as their gain
+    (:func:`norm_gain`); a sandwich-norm layer (Gemma) gives its pre-MLP norm
+    (``pre_feedforward_layernorm``), not the norm on the attention output, to the drafter's
+    ``post_attention_layernorm``, which sits before the MLP."""
     own = dict(layer.named_parameters())
+    modules = dict(target_layer.named_modules())
+    rename = {"post_attention_layernorm": "pre_feedforward_layernorm"} if "pre_feedforward_layernorm" in modules else {}
     with torch.no_grad():
-        for name, p in target_layer.named_parameters():
-            if name in own and own[name].shape == p.shape:
-                own[name].copy_(p)
+        for name, p in own.items():
+            src = name.rsplit(".", 1)[0] if name.endswith(".weight") else None
+            if src is not None and isinstance(dict(layer.named_modules())[src], RMSNorm):
+                src_mod = modules.get(rename.get(src, src))
+                if src_mod is not None and getattr(src_mod, "weight", None) is not None \
+                        and src_mod.weight.shape == p.shape:
+                    p.copy_(norm_gain(src_mod))
+                continue
+            q = dict(target_layer.named_parameters()).get(name)
+            if q is not None and q.shape == p.shape:
+                p.copy_(q)
 
 
 class ContextKVCache:

@@ -7,7 +7,7 @@ single-token steps per draft and keeps its own KV cache, rolled back after every
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from flashdraft.target import rollback_cache
 
 from flashdraft.device import HOST
 from flashdraft.drafters.base import Draft, Drafter
@@ -47,7 +47,7 @@ class DraftModelDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.draft_model.config)
+        self.cache = rollback_cache(self.draft_model.config)
 
     def rewind(self, n_context: int) -> int:
         # the draft model catches up on missing positions from the token ids itself

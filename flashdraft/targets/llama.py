@@ -91,6 +91,12 @@ class LlamaCache:
             target._release(self.seq_id)
 
 
+#: GGUF architectures whose llama.cpp graph (this vendored version) records each layer's input,
+#: so ``llama_get_embeddings_layer_inp`` can return DFlash context features; asking another
+#: graph for them aborts in ``llm_graph_result::set_outputs`` (e.g. ``gemma3``)
+LAYER_INPUT_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "qwen3next", "gemma3n", "lfm2"})
+
+
 class LlamaTarget(TokenizerSide):
     """A GGUF target run by llama.cpp. See the module docstring for the design.
 
@@ -317,11 +323,16 @@ class LlamaTarget(TokenizerSide):
 
         Raises:
             ValueError: a layer id outside ``[0, num_layers - 1)`` (llama.cpp exposes layer
-                inputs, so the last layer's output has none), or a binding without the
-                llama-ext functions.
+                inputs, so the last layer's output has none), a binding without the
+                llama-ext functions, or an architecture outside :data:`LAYER_INPUT_ARCHS`.
         """
         layer_ids = list(layer_ids or [])
         b = self._b
+        arch = self._arch()
+        if layer_ids and arch not in LAYER_INPUT_ARCHS:  # llama.cpp aborts the process (GGML_ASSERT)
+            raise ValueError(f"the llama backend cannot read context features of a {arch} target: llama.cpp's "
+                             f"{arch} graph does not export its layer inputs (it does for "
+                             f"{', '.join(sorted(LAYER_INPUT_ARCHS))}); use --backend torch for DFlash on it")
         if layer_ids and (b.set_layer_inp is None or b.get_layer_inp is None):
             raise ValueError(f"{b.version} does not export llama_set/get_embeddings_layer_inp: DFlash features "
                              "need them; use --backend torch")

@@ -33,9 +33,21 @@ class BackendChoice:
         return f"target backend: {self.backend} ({self.why})"
 
 
+def gguf_architecture(path: str | Path) -> str | None:
+    """``general.architecture`` of a GGUF file (its metadata only), None when unreadable."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+        return None if field is None else str(field.contents())
+    except (OSError, ValueError):
+        return None
+
+
 def torch_only_reason(model: str | None, weights: str | None, device: torch.device, kv=None,
-                      draft_model: str | None = None) -> str | None:
-    """Why the llama backend cannot run these settings, or None when it can."""
+                      draft_model: str | None = None, features: bool = False) -> str | None:
+    """Why the llama backend cannot run these settings, or None when it can (``features``:
+    the drafter reads the target's context features, as DFlash and the hybrid do)."""
     from flashdraft.targets.llama import KV_TYPES
 
     path = None if model is None else Path(model)
@@ -52,12 +64,18 @@ def torch_only_reason(model: str | None, weights: str | None, device: torch.devi
         return "-md target drafts with the target's torch model"
     if draft_model is not None and draft_model.startswith("random"):
         return "-md random builds its drafter from the target's torch config"
+    if features and path is not None:
+        from flashdraft.targets.llama import LAYER_INPUT_ARCHS
+
+        arch = gguf_architecture(path)
+        if arch is not None and arch not in LAYER_INPUT_ARCHS:
+            return f"llama.cpp's {arch} graph does not export the layer inputs DFlash reads as context features"
     return None
 
 
 def choose_backend(backend: str, model: str | None, weights: str | None, device: torch.device,
-                   kv=None, draft_model: str | None = None) -> BackendChoice:
-    """Resolve ``--backend``.
+                   kv=None, draft_model: str | None = None, features: bool = False) -> BackendChoice:
+    """Resolve ``--backend`` (``features``: as :func:`torch_only_reason`).
 
     Raises:
         ValueError: an unknown backend, or ``llama`` with settings it cannot run.
@@ -67,7 +85,7 @@ def choose_backend(backend: str, model: str | None, weights: str | None, device:
         raise ValueError(f"unknown --backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "torch":
         return BackendChoice("torch", "asked for")
-    reason = torch_only_reason(model, weights, device, kv, draft_model)
+    reason = torch_only_reason(model, weights, device, kv, draft_model, features)
     if backend == "llama":
         if reason is not None:
             raise ValueError(f"--backend llama cannot run this: {reason}; use --backend torch")

@@ -49,9 +49,9 @@ def prompt_ids(generator: SpeculativeGenerator, item: dict | str, chat: bool) ->
     """
     item = {"prompt": item} if isinstance(item, str) else item
     target = generator.target
-    if chat and target.has_chat_template:
-        return target.chat_prompt_ids([{"role": "user", "content": item["prompt"]}])
-    return target.encode(item.get("raw_prompt") or item["prompt"])
+    if not chat:
+        return target.encode(item.get("raw_prompt") or item["prompt"])
+    return target.user_prompt_ids(item["prompt"], item.get("raw_prompt"))
 
 
 def evaluate(generator: SpeculativeGenerator, prompts: list[dict | str], max_tokens: int,

@@ -377,7 +377,7 @@ class Trainer:
         for name in ("sharegpt-heldout", "humaneval"):
             produced = steps = 0
             for p in load_prompt_set(name, limit=self.cfg.eval_prompts):
-                ids = self.target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])
+                ids = self.target.user_prompt_ids(p["prompt"], p.get("raw_prompt"))
                 _, _, _, t = generate_text(gen, ids, self.cfg.eval_tokens, SamplingParams())
                 produced, steps = produced + t.verify_n, steps + t.n_steps - 1
             result[f"tau_{name}"] = round(produced / max(1, steps), 4)

@@ -145,10 +145,14 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
     ``batch_size`` llama.cpp sequences step together, one ``llama_decode`` per step (a new
     prompt's prefill rides in the same batch). Same yields, same per-prompt seeds; features
     are llama.cpp's layer inputs (the last layer's output has none: ``layer_ids`` must be
-    ``< num_layers - 1``)."""
+    ``< num_layers - 1``).
+
+    Also the path of a torch target without the lean forward (Gemma):
+    :meth:`~flashdraft.target.Target.forward_packed` then runs one forward per sequence."""
     from flashdraft.train.features import top_logprobs
 
-    target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
+    if hasattr(target, "ensure_sequences"):
+        target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
     target.set_feature_layers(list(layer_ids or []) or None)
     eos = target.eos_token_ids
     pending = iter(prompts)
@@ -189,7 +193,9 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     command. ``manifest.json`` records the model fingerprint, settings and token counts.
 
     Args:
-        prompts: ``[{"id", "prompt"}, ...]``; each prompt is one user message in the chat template.
+        prompts: ``[{"id", "prompt"}, ...]``; each prompt is one user message in the chat template
+            (a base model without one gets the text, or the item's ``raw_prompt``:
+            :meth:`~flashdraft.target.TokenizerSide.user_prompt_ids`).
         target: a loaded Target (tests); else loaded from ``model`` (None = packaged default).
         temperature / top_k / top_p: 0 = greedy; otherwise the sampling filters.
         weights: ``fp32`` or ``bf16`` (the answers of bf16 weights are bf16 greedy answers).
@@ -261,15 +267,20 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     target.set_feature_layers(None)
     params = SamplingParams() if greedy else SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     by_id = {p["id"]: p for p in todo}
-    encoded = [(p["id"], target.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])) for p in todo]
+    encoded = [(p["id"], target.user_prompt_ids(p["prompt"], p.get("raw_prompt"))) for p in todo]
     prompt_ids = dict(encoded)
     write_json_atomic(manifest_path, manifest("running"))
     writer = ShardWriter(out, next_index, shard_size)
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
-    packed = generate_packed
+    packed = generate_packed if getattr(target, "lean", None) is not None else generate_packed_llama
     if getattr(target, "backend", "torch") == "llama":
+        from flashdraft.targets.llama import LAYER_INPUT_ARCHS
+
         packed = generate_packed_llama
+        if layer_ids and target._arch() not in LAYER_INPUT_ARCHS:  # the trainer / walk computes them
+            log.warning("llama.cpp's %s graph exports no layer inputs: storing no features", target._arch())
+            layer_ids = []
         last = [i for i in layer_ids if i >= target.num_layers - 1]
         if last:  # llama.cpp exposes layer inputs: the last layer's output has none
             log.warning("the llama backend cannot store layer %s (the last layer's output); storing %s",

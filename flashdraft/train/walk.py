@@ -297,7 +297,8 @@ def ensure_heldout_answers(target, dataset: str, temperature: float, root: str |
     from flashdraft.train.regen import regenerate_packed
 
     out = heldout_answers_dir(root, target.name, dataset, temperature)
-    prompts = [{"id": str(p.get("id", i)), "prompt": p["prompt"]} for i, p in enumerate(load_prompt_set(dataset))]
+    prompts = [{"id": str(p.get("id", i)), "prompt": p["prompt"], **({"raw_prompt": p["raw_prompt"]} if "raw_prompt" in p else {})}
+               for i, p in enumerate(load_prompt_set(dataset))]
     if limit is not None:
         prompts = prompts[:limit]
     regenerate_packed(out, prompts, target=target, max_new_tokens=max_tokens, temperature=temperature,
@@ -468,13 +469,37 @@ def format_offline_table(dataset: str, temperature: float, results: dict) -> str
     return "\n".join(lines)
 
 
+class AnswerTarget:
+    """The target that regenerates held-out answers: the walk's own, except a torch target
+    without the lean forward (Gemma), whose answers the llama backend writes several times
+    faster from the same GGUF (the walk then computes the features with its torch forward)."""
+
+    def __init__(self, target, args):
+        self.target, self.args, self._answers = target, args, None
+
+    def get(self):
+        if self._answers is None:
+            self._answers = self.target
+            model = self.args.model
+            if (getattr(self.target, "lean", None) is None and getattr(self.target, "backend", "torch") == "torch"
+                    and model and str(model).endswith(".gguf") and getattr(self.args, "backend", "auto") == "auto"):
+                from flashdraft.engine import EngineConfig, load_engine_target
+
+                try:
+                    self._answers = load_engine_target(EngineConfig(model=model, spec_type="none", device="cpu",
+                                                                    n_parallel=32, ctx_size=1024))
+                except Exception as e:  # noqa: BLE001 - the torch target still writes them, slower
+                    log.warning("held-out answers on the torch backend: %s", e)
+        return self._answers
+
+
 def run_offline(args) -> int:
     """``flashdraft eval --offline``: answers regenerated once, then walked by each drafter."""
     import json
 
     from flashdraft.drafters.ar_model import is_ar_drafter
     from flashdraft.drafters.dflash import load_dflash_model
-    from flashdraft.engine import DEFAULT_DRAFTER_DIR
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, shipped_drafter_for
 
     # the walk's bookkeeping (answer tables, bigram counts) is host code, not yet audited for
     # another device: it runs on the CPU, and says so rather than ignoring --device
@@ -484,11 +509,18 @@ def run_offline(args) -> int:
     log.info("eval --offline: walking on the CPU")
     from flashdraft.engine import EngineConfig, load_engine_target
 
-    target = load_engine_target(EngineConfig(model=args.model, weights=args.weights, spec_type="none",
+    drafter_path = getattr(args, "spec_draft_model", None)
+    walks_ar = bool(drafter_path) and (str(drafter_path).startswith("self:") or is_ar_drafter(drafter_path))
+    # a DFlash walk reads the target's features: the backend must be able to give them
+    target = load_engine_target(EngineConfig(model=args.model, weights=args.weights,
+                                             spec_type="draft" if walks_ar else "dflash",
+                                             draft_model=str(drafter_path) if walks_ar else None,
                                              backend=getattr(args, "backend", "auto"), device="cpu"))
-    drafter_path = getattr(args, "spec_draft_model", None) or (None if args.model else DEFAULT_DRAFTER_DIR)
+    if not drafter_path:
+        shipped = DEFAULT_DRAFTER_DIR if not args.model else shipped_drafter_for(target)
+        drafter_path = shipped if shipped is not None and (Path(shipped) / "config.json").exists() else None
     ar = None
-    if drafter_path and (str(drafter_path).startswith("self:") or is_ar_drafter(drafter_path)):
+    if walks_ar:
         from flashdraft.engine import draft_model_drafter
 
         # an AR drafter (or self:N) walks at the shipped DFlash drafter's depth unless --block-size says
@@ -499,15 +531,19 @@ def run_offline(args) -> int:
         model = load_dflash_model(drafter_path) if drafter_path else None
     depth = model.block_size - 1 if model else (7 if ar else 15)
     n_draft = (args.block_size - 1) if args.block_size else depth
-    data_dirs = args.bigram_data or default_training_dirs()
+    data_dirs = args.bigram_data or default_training_dirs(target)
     bigram = BigramTable(reference_sequences(data_dirs), target.vocab_size) if data_dirs else None
     ngram_depth = getattr(args, "spec_draft_n_max", None)  # the hybrid's n-gram depth online
     report = {"target": target.name, "drafter": str(drafter_path), "n_draft": n_draft, "ngram_depth": ngram_depth,
               "bigram_data": [str(d) for d in data_dirs], "results": {}}
+    answer_target = AnswerTarget(target, args)
     for dataset in args.dataset.split(","):
         for temperature in args.temperature:
-            directory = ensure_heldout_answers(target, dataset, temperature, args.heldout_root, args.max_tokens,
-                                               args.limit, progress=not args.json)
+            directory = heldout_answers_dir(args.heldout_root, target.name, dataset, temperature)
+            if not (directory / "manifest.json").exists() or \
+                    json.loads((directory / "manifest.json").read_text()).get("state") != "complete":
+                directory = ensure_heldout_answers(answer_target.get(), dataset, temperature, args.heldout_root,
+                                                   args.max_tokens, args.limit, progress=not args.json)
             results = offline_eval(target, model, directory, n_draft, args.max_tokens, bigram, args.limit,
                                    progress=not args.json, ngram_depth=ngram_depth, ar_drafter=ar)
             report["results"][f"{dataset}@{temperature:g}"] = results
@@ -520,7 +556,24 @@ def run_offline(args) -> int:
     return 0
 
 
-def default_training_dirs() -> list[Path]:
-    """The repository's regenerated training answer sets (``datasets/*`` with shards)."""
+def default_training_dirs(target=None) -> list[Path]:
+    """The repository's regenerated training answer sets (``datasets/*`` with shards); with
+    ``target``, only that target's (the directory name starts with its family,
+    :func:`target_family`): another target's token ids mean nothing in this vocabulary."""
     root = Path(__file__).resolve().parents[2] / "datasets"
-    return sorted(d for d in root.glob("*") if d.is_dir() and d.name != "heldout" and any(d.glob("shard-*")))
+    dirs = sorted(d for d in root.glob("*") if d.is_dir() and d.name != "heldout" and any(d.glob("shard-*")))
+    if target is None:
+        return dirs
+    return [d for d in dirs if dataset_target(d) == target_family(target)]
+
+
+def target_family(target) -> str:
+    """``gemma3`` / ``smollm2`` / ...: the name prefix training sets of a target carry
+    (``datasets/<family>-...``), told by the target's shape."""
+    return {(49152, 576): "smollm2", (262144, 640): "gemma3"}.get((target.vocab_size, target.hidden_size),
+                                                                   target.name.lower())
+
+
+def dataset_target(directory: Path) -> str:
+    """The family prefix of a training set directory's name (``smollm2-regen-greedy`` -> ``smollm2``)."""
+    return directory.name.split("-", 1)[0]

@@ -1,0 +1,117 @@
+"""A second target family (Gemma 3): what the trainer, engine and backends read from the
+target instead of assuming SmolLM2 (tiny random Gemma-shaped model; the real GGUF is in
+tests/test_gemma_real.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, drafter_config_for_target,
+                                        init_from_target, norm_gain)
+from flashdraft.generate import SpeculativeGenerator, generate_text
+from flashdraft.sampling import SamplingParams
+from flashdraft.train.loop import TrainConfig, Trainer
+from flashdraft.train.regen import regenerate_packed
+from flashdraft.train.shards import read_shards
+from tiny import tiny_gemma3_target
+
+PROMPTS = [{"id": f"g{i}", "prompt": " ".join(f"t{(5 * i + j) % 58 + 2}" for j in range(3 + i % 3))}
+           for i in range(5)]
+
+
+def test_a_base_model_prompt_is_its_text_after_bos():
+    t = tiny_gemma3_target()
+    assert not t.has_chat_template
+    assert t.user_prompt_ids("t5 t9") == [1, 5, 9]
+    assert t.user_prompt_ids("t5 t9", raw_text="t7") == [1, 7]
+
+
+def test_drafters_read_the_raw_embedding_table():
+    t = tiny_gemma3_target()
+    ids = torch.tensor([3, 4])
+    assert torch.equal(t.embed_tokens(ids), t.model.model.embed_tokens.weight[ids])
+    # the target's own module scales by sqrt(hidden): a drafter trained on it would not fit the llama backend
+    assert not torch.allclose(t.model.model.embed_tokens(ids), t.embed_tokens(ids))
+
+
+def test_drafter_init_takes_gemma_norm_gains_and_the_pre_mlp_norm():
+    t = tiny_gemma3_target()
+    src = t.model.model
+    assert torch.allclose(norm_gain(src.norm), 1 + src.norm.weight)
+    d = DFlashDraftModel(drafter_config_for_target(t.config, 1, 4, 0, [1, 2]))
+    init_from_target(d, t.model)
+    last = src.layers[-1]
+    assert torch.allclose(d.norm.weight, 1 + src.norm.weight)
+    assert torch.allclose(d.layers[0].input_layernorm.weight, 1 + last.input_layernorm.weight)
+    assert torch.allclose(d.layers[0].post_attention_layernorm.weight, 1 + last.pre_feedforward_layernorm.weight)
+    assert torch.allclose(d.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+
+
+def test_greedy_drafting_equals_plain_decoding_past_the_sliding_window():
+    t = tiny_gemma3_target(seed=2, sliding_window=16)
+    d = DFlashDraftModel(drafter_config_for_target(t.config, 1, 4, 0, [1, 2]))
+    init_from_target(d, t.model)
+    prompt = t.user_prompt_ids("t5 t9 t13 t2 t7")
+    plain = generate_text(SpeculativeGenerator(t, None, n_draft=0), prompt, 60, SamplingParams())
+    spec = generate_text(SpeculativeGenerator(t, DFlashDrafter(d, t.embed_tokens, t.lm_head), n_draft=3),
+                         prompt, 60, SamplingParams())
+    assert len(plain[1]) + len(prompt) > 3 * 16  # rollbacks happened after the window filled
+    assert spec[1] == plain[1]
+    assert spec[3].draft_n > 0
+
+
+def test_regeneration_and_training_on_a_gemma_shaped_target(tmp_path):
+    t = tiny_gemma3_target(seed=3)
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS, target=t, max_new_tokens=12, batch_size=3, layer_ids=[1, 2], progress=False)
+    seqs = {sid: (ids.tolist(), n) for sid, ids, n in read_shards(data)}
+    for p in PROMPTS:  # the stepped path (no lean forward) writes what plain decoding writes
+        ids, n = seqs[p["id"]]
+        prompt = t.user_prompt_ids(p["prompt"])
+        assert ids[:n] == prompt
+        assert ids[n:] == generate_text(SpeculativeGenerator(t, None, n_draft=0), prompt, 12, SamplingParams())[1]
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 2],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=3, draft_vocab=16, eval_minutes=0,
+                      bf16=False)
+    trainer = Trainer(cfg, target=t)
+    assert trainer.drafter.mask_token_id == 0  # no SmolLM2 <empty_output>: the pad token
+    d2t = trainer.drafter.d2t.tolist()
+    assert 0 in d2t and len(d2t) == 16  # EOS (= pad here) always in the draft vocabulary
+    assert trainer.train()["step"] == 3
+
+
+def _gguf_with_architecture(path, arch: str):
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_dflash_on_a_graph_without_layer_inputs_stays_on_torch(tmp_path):
+    import pytest
+
+    from flashdraft.targets.load import choose_backend, torch_only_reason
+
+    gemma = _gguf_with_architecture(tmp_path / "g.gguf", "gemma3")
+    llama = _gguf_with_architecture(tmp_path / "l.gguf", "llama")
+    cpu = torch.device("cpu")
+    assert "gemma3 graph does not export the layer inputs" in torch_only_reason(str(gemma), None, cpu, features=True)
+    assert torch_only_reason(str(gemma), None, cpu, features=False) is None  # plain / n-gram decoding runs there
+    assert torch_only_reason(str(llama), None, cpu, features=True) is None
+    assert choose_backend("auto", str(gemma), None, cpu, features=True).backend == "torch"
+    with pytest.raises(ValueError, match="use --backend torch"):
+        choose_backend("llama", str(gemma), None, cpu, features=True)
+
+
+def test_the_shipped_drafter_is_picked_by_the_target_shape():
+    from types import SimpleNamespace
+
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, shipped_drafter_for
+
+    smollm2 = SimpleNamespace(hidden_size=576, vocab_size=49152, num_layers=30)
+    assert shipped_drafter_for(smollm2) == DEFAULT_DRAFTER_DIR
+    assert shipped_drafter_for(tiny_gemma3_target()) is None
