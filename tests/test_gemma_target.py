@@ -115,3 +115,24 @@ def test_the_shipped_drafter_is_picked_by_the_target_shape():
     smollm2 = SimpleNamespace(hidden_size=576, vocab_size=49152, num_layers=30)
     assert shipped_drafter_for(smollm2) == DEFAULT_DRAFTER_DIR
     assert shipped_drafter_for(tiny_gemma3_target()) is None
+
+
+def test_a_training_run_ends_with_a_model_card(tmp_path):
+    from flashdraft.train.card import write_model_card
+    from flashdraft.train.walk import heldout_answers_dir
+
+    t = tiny_gemma3_target(seed=5)
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS, target=t, max_new_tokens=10, batch_size=2, layer_ids=(), progress=False)
+    root = tmp_path / "heldout"
+    heldout = [{"id": "h0", "prompt": "t3 t8 t3 t8"}, {"id": "h1", "prompt": "t9 t2 t9"}]
+    for name in ("humaneval", "sharegpt-heldout"):  # the card's held-out sets, made from two tiny prompts
+        regenerate_packed(heldout_answers_dir(root, t.name, name, 0.0), heldout, target=t, max_new_tokens=10,
+                          batch_size=2, layer_ids=(), progress=False)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), target="tiny.gguf", num_layers=1,
+                      feature_layer_ids=[1, 2], block_size=4, blocks_per_step=8, seqs_per_step=2, steps=2,
+                      draft_vocab=16, eval_minutes=0, bf16=False, heldout_root=str(root), eval_answers=2)
+    trainer = Trainer(cfg, target=t)
+    card = write_model_card(trainer, trainer.train()).read_text()
+    assert "tiny-gemma3" in card and "| humaneval | 2 |" in card and "| sharegpt-heldout | 2 |" in card
+    assert "draft vocabulary 16" in card and "5 regenerated answers" in card and "2 steps" in card

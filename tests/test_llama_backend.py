@@ -102,6 +102,18 @@ def test_packed_sequences_equal_their_own_forwards(tiny_pair):
     assert torch.allclose(la, ra, atol=1e-4) and torch.allclose(lb, rb, atol=1e-4)
 
 
+def test_more_sequences_than_ubatch_rows(tiny_gguf):
+    """`-np 32` holds 65 sequences (a slot and a prompt cache each, plus one): more than the
+    48-row ubatch, which llama.cpp's output buffer must still fit (it aborted the process)."""
+    from flashdraft.targets.llama import LlamaTarget
+
+    t = LlamaTarget(tiny_gguf, n_ctx=64, n_seq=32, tokenizer=byte_tokenizer())
+    assert t.n_seq_max == 65 > t.ubatch
+    caches = [t.new_cache() for _ in range(60)]
+    outs = t.forward_packed([(torch.tensor(t.encode("ab")), c, 1) for c in caches])
+    assert len(outs) == 60 and all(lg.shape == (1, t.vocab_size) for lg, _ in outs)
+
+
 def test_long_prefill_runs_in_ubatch_chunks(tiny_gguf):
     from flashdraft.targets.llama import LlamaTarget
 

@@ -189,6 +189,10 @@ class LlamaTarget(TokenizerSide):
         cp.n_seq_max = self.n_seq_max
         cp.n_ctx = self.n_ctx * self.n_seq_max  # n_ctx positions per stream
         cp.n_batch = cp.n_ubatch = self.ubatch
+        if any(f[0] == "n_outputs_max" for f in type(cp)._fields_):
+            # llama.cpp reserves one output row per sequence at creation and asserts that this
+            # fits n_outputs_max (default n_batch): more sequences than ubatch rows aborted
+            cp.n_outputs_max = max(self.ubatch, self.n_seq_max)
         # one-token steps on one thread: with more, ggml splits a single row's attention over the
         # KV cache across threads (contexts of 512+), which rounds otherwise than the row-wise
         # attention of a verify block; batches (verify, prefill, -np packs) use every thread.

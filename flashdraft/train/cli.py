@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and data order")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: None = torch's own choice)")
+    from flashdraft.cli import add_backend_argument
+
+    add_backend_argument(p)  # the regeneration's target engine (auto: llama.cpp for a GGUF on the CPU)
     add_device_argument(p)
 
 
@@ -108,7 +111,8 @@ def run(args) -> int:
         from flashdraft.train.regen import regenerate_packed
 
         regenerate_packed(data.split(",")[0], training_prompts()[: args.prompts], model=args.target,
-                          max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, device=device)
+                          max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, device=device,
+                          backend=args.backend)
     target = Target.load(args.target, device=device)
     if args.build_features:
         from flashdraft.train.features import build_features
@@ -137,7 +141,13 @@ def run(args) -> int:
         print(f"drafter written to {out / 'drafter'}; serve it with: "
               f"flashdraft serve --spec-type draft -md {out / 'drafter'}")
         return 0
-    result = Trainer(cfg, target=target).train()
+    trainer = Trainer(cfg, target=target)
+    result = trainer.train()
+    from flashdraft.train.card import write_model_card
+
+    card = write_model_card(trainer, result)
     print(json.dumps(result))
+    if card is not None:
+        print(f"model card: {card}")
     print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve -md {out / 'drafter'}")
     return 0
