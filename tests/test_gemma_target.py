@@ -136,3 +136,29 @@ def test_a_training_run_ends_with_a_model_card(tmp_path):
     card = write_model_card(trainer, trainer.train()).read_text()
     assert "tiny-gemma3" in card and "| humaneval | 2 |" in card and "| sharegpt-heldout | 2 |" in card
     assert "draft vocabulary 16" in card and "5 regenerated answers" in card and "2 steps" in card
+
+
+def test_hidden_states_beyond_float16_train_and_refuse_to_be_stored(tmp_path):
+    """Gemma's residual stream reaches 1e5, past float16: cached features go bf16 (fp16 made
+    them inf and every loss NaN), and the feature store refuses them with the fix."""
+    import pytest
+
+    t = tiny_gemma3_target(seed=6)
+    with torch.no_grad():
+        t.model.model.embed_tokens.weight.mul_(1e6)  # x sqrt(64) inside: residuals past 1e5
+    data = tmp_path / "data"
+    with pytest.raises(ValueError, match="--no-features"):
+        regenerate_packed(tmp_path / "with-features", PROMPTS[:2], target=t, max_new_tokens=4, batch_size=2,
+                          layer_ids=[1, 2], progress=False)
+    regenerate_packed(data, PROMPTS, target=t, max_new_tokens=8, batch_size=2, layer_ids=(), progress=False)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 2],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=2, draft_vocab=16, eval_minutes=0,
+                      bf16=False)
+    trainer = Trainer(cfg, target=t)
+    sid, ids, _, d = trainer.seqs[0]
+    feats, _ = trainer._sequence(sid, ids, d)
+    assert torch.isfinite(feats).all() and feats.abs().max() > 7e4
+    assert trainer.features[sid].dtype == torch.bfloat16
+    trainer.train()
+    log = (tmp_path / "run" / "train_log.jsonl").read_text()
+    assert "NaN" not in log

@@ -349,7 +349,10 @@ def run(args, target=None) -> int:
             from flashdraft.cli import engine_config
             from flashdraft.engine import load_engine_target
 
-            target = load_engine_target(engine_config(args))
+            cfg = engine_config(args)
+            if cfg.spec_type == "none" and any(n.startswith(("dflash", "hybrid")) for n in names):
+                cfg.spec_type = "dflash"  # its drafters read context features: a backend that gives them
+            target = load_engine_target(cfg)
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
         asked = {c for p in _split(args.peers or "") for c in PEER_GROUPS[p]}

@@ -94,6 +94,22 @@ def _int_list(text: str | None) -> list[int]:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def heldout_answers(args) -> None:
+    """The target's answers to the held-out sets that the training evaluations and the model
+    card walk (``--eval-answers`` of each), made once on the regeneration's backend."""
+    from flashdraft.engine import EngineConfig, load_engine_target
+    from flashdraft.train.card import CARD_SETS
+    from flashdraft.train.walk import ensure_heldout_answers
+
+    batch = min(16, args.eval_answers)
+    target = load_engine_target(EngineConfig(model=args.target, spec_type="none", backend=args.backend,
+                                             n_parallel=batch, ctx_size=1024))
+    for name in CARD_SETS:
+        ensure_heldout_answers(target, name, 0.0, args.heldout_root, args.max_new_tokens, args.eval_answers,
+                               batch_size=batch)
+    del target
+
+
 def run(args) -> int:
     import torch
 
@@ -113,6 +129,8 @@ def run(args) -> int:
         regenerate_packed(data.split(",")[0], training_prompts()[: args.prompts], model=args.target,
                           max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, device=device,
                           backend=args.backend)
+    if args.prompts and args.kind == "dflash":
+        heldout_answers(args)
     target = Target.load(args.target, device=device)
     if args.build_features:
         from flashdraft.train.features import build_features

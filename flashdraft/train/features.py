@@ -63,10 +63,19 @@ class FeatureWriter:
         self.row = self.feat.tell() // (2 * self.width)
 
     def write(self, seq_id: str, features: torch.Tensor, ids: np.ndarray, logp: np.ndarray) -> None:
-        """``features [T, width]``, top-k ``ids/logp [T, k]`` of one sequence."""
+        """``features [T, width]``, top-k ``ids/logp [T, k]`` of one sequence.
+
+        Raises:
+            ValueError: rows of another width or k, or features that are not finite in
+                float16 (a target whose hidden states exceed its range, as Gemma's do:
+                regenerate with ``--no-features``; the trainer then computes them).
+        """
         T = features.shape[0]
         if features.shape[1] != self.width or ids.shape != (T, self.k):
             raise ValueError("feature rows do not match the store's width or k")
+        if not torch.isfinite(features.to(torch.float16)).all():
+            raise ValueError(f"{seq_id}: the target's hidden states exceed float16's range, so they cannot be "
+                             "stored as features; regenerate with --no-features (the trainer computes them)")
         self.feat.write(features.to(torch.float16).numpy().tobytes())
         rec = np.zeros(T, dtype=topk_dtype(self.k))
         rec["ids"], rec["logp"] = ids, logp

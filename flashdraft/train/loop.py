@@ -37,6 +37,8 @@ from flashdraft.train.shards import read_shards
 
 log = logging.getLogger(__name__)
 
+#: the largest finite float16 (65504), rounded down: features beyond it are cached as bf16
+FP16_MAX = 65000.0
 #: ``<empty_output>`` — a pretraining-only special token of SmolLM2 that chat never uses
 SMOLLM2_MASK_TOKEN_ID = 16
 
@@ -305,12 +307,13 @@ class Trainer:
         return self._features(seq_id, ids), None
 
     def _features(self, seq_id: str, ids: torch.Tensor) -> torch.Tensor:
-        """Target context features ``[T, k*H]`` of a sequence, computed and cached (fp16) on
-        the target's device."""
+        """Target context features ``[T, k*H]`` of a sequence, computed and cached on the
+        target's device: fp16, or bf16 where a value exceeds fp16's range (Gemma's hidden
+        states reach 1e5; fp16 made them inf and the loss NaN)."""
         f = self.features.get(seq_id)
         if f is None:
             _, f = self.target.forward(ids, self.target.new_cache(), logits_from=ids.shape[0] - 1)
-            f = f.to(torch.float16)
+            f = f.to(torch.float16) if float(f.abs().max()) < FP16_MAX else f.to(torch.bfloat16)
             if self.feature_bytes + f.numel() * 2 < self.cfg.feature_cache_gb * 2**30:
                 self.features[seq_id] = f
                 self.feature_bytes += f.numel() * 2
