@@ -10,6 +10,10 @@ growing at the number of distinct answer tokens, reported as ``distinct_answer_t
 
     .venv/bin/python scripts/vocab_coverage.py --data datasets/smollm2-regen-greedy \
         --json-out docs/results/vocab-coverage.json
+
+``--model GGUF`` ranks as the trainer does, prompts included (its tokenizer fills the rest
+of the vocabulary from the training prompts), e.g. for Gemma 3 270M, whose repetitive
+base-model answers hold few distinct tokens (docs/training.md, "Train a drafter for your model").
 """
 
 from __future__ import annotations
@@ -40,10 +44,20 @@ def main() -> int:
     p.add_argument("--sets", default="humaneval-t0,sharegpt-heldout-t0,seed-t0")
     p.add_argument("--sizes", default="4096,8192,16384,32768")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--model", default=None, help="target GGUF: fill from the training prompts as the trainer does")
     args = p.parse_args()
     train = read_shards(Path(args.data))
     sizes = [int(s) for s in args.sizes.split(",")]
-    vocabs = {k: set(draft_vocabulary(train, k, set()).tolist()) for k in sizes}
+    texts, tokenizer = (), None
+    if args.model:
+        from transformers import AutoTokenizer
+
+        from flashdraft.train.data import training_prompts
+
+        path = Path(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        texts = [q["prompt"] for q in training_prompts()]
+    vocabs = {k: set(draft_vocabulary(train, k, set(), texts, tokenizer).tolist()) for k in sizes}
     distinct = len({t for _, ids, n in train for t in ids[n:].tolist()})
     print(f"{len(train)} training answers, {distinct} distinct answer tokens")
     rows = {}
@@ -56,7 +70,7 @@ def main() -> int:
         print(f"| {name} | {r['answers']} | " + " | ".join(f"{100 * r[str(k)]:.1f}%" for k in sizes) + " |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
-            {"data": args.data, "training_answers": len(train), "distinct_answer_tokens": distinct, "sizes": sizes, "coverage": rows}, indent=1) + "\n")
+            {"data": args.data, "model": args.model, "training_answers": len(train), "distinct_answer_tokens": distinct, "sizes": sizes, "coverage": rows}, indent=1) + "\n")
     return 0
 
 
