@@ -105,8 +105,8 @@ def heldout_answers(args) -> None:
     target = load_engine_target(EngineConfig(model=args.target, spec_type="none", backend=args.backend,
                                              n_parallel=batch, ctx_size=1024))
     for name in CARD_SETS:
-        ensure_heldout_answers(target, name, 0.0, args.heldout_root, args.max_new_tokens, args.eval_answers,
-                               batch_size=batch)
+        # 256 tokens, as every held-out set here (the training evaluations walk that cap)
+        ensure_heldout_answers(target, name, 0.0, args.heldout_root, 256, args.eval_answers, batch_size=batch)
     del target
 
 
@@ -167,5 +167,6 @@ def run(args) -> int:
     print(json.dumps(result))
     if card is not None:
         print(f"model card: {card}")
-    print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve -md {out / 'drafter'}")
+    model = f"-m {args.target} " if args.target else ""
+    print(f"drafter written to {out / 'drafter'}; serve it with: flashdraft serve {model}-md {out / 'drafter'}")
     return 0
