@@ -297,7 +297,8 @@ def ensure_heldout_answers(target, dataset: str, temperature: float, root: str |
     from flashdraft.train.regen import regenerate_packed
 
     out = heldout_answers_dir(root, target.name, dataset, temperature)
-    prompts = [{"id": str(p.get("id", i)), "prompt": p["prompt"], **({"raw_prompt": p["raw_prompt"]} if "raw_prompt" in p else {})}
+    prompts = [{"id": str(p.get("id", i)), "prompt": p["prompt"],  # raw_prompt: a base model's text
+                **({"raw_prompt": p["raw_prompt"]} if "raw_prompt" in p else {})}
                for i, p in enumerate(load_prompt_set(dataset))]
     if limit is not None:
         prompts = prompts[:limit]
