@@ -193,8 +193,8 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
     path = cfg.draft_model
     if path is None:
-        shipped = DEFAULT_DRAFTER_DIR if cfg.model is None else shipped_drafter_for(target)
-        if shipped is not None and (shipped / "config.json").exists():
+        shipped = default_dflash_drafter(cfg.model, target)
+        if shipped is not None:
             path = str(shipped)
         else:
             raise ValueError(f"--spec-type {cfg.spec_type} needs --spec-draft-model PATH (a DFlash drafter trained for "
@@ -286,6 +286,14 @@ def shipped_drafter_for(target) -> Path | None:
                 (target.hidden_size, target.vocab_size, target.num_layers):
             return config_path.parent
     return None
+
+
+def default_dflash_drafter(model: str | None, target) -> Path | None:
+    """The DFlash drafter used when ``-md`` is not given: the shipped one of the packaged
+    default target (``model`` None), else the shipped one for ``target``'s shape; None when
+    there is none (or its files are missing)."""
+    shipped = DEFAULT_DRAFTER_DIR if model is None else shipped_drafter_for(target)
+    return shipped if shipped is not None and (shipped / "config.json").exists() else None
 
 
 def check_drafter_fits(config: dict, target, path: str) -> None:

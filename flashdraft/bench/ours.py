@@ -7,13 +7,12 @@ All of them share one loaded :class:`Target`; each has its own drafter and gener
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from flashdraft.bench.constrained import TimedConstraint
 from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
-from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, DEFAULT_DRAFTER_DIR, EngineConfig, load_engine, shipped_drafter_for
+from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dflash_drafter, load_engine
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
@@ -80,12 +79,12 @@ class EngineContender(Contender):
 
 def dflash_drafter_path(model: str | None, drafter: str | None, target=None) -> str | None:
     """The DFlash drafter to use: ``-md`` if given, else the shipped one for the default
-    target, or for ``target``'s shape (:func:`~flashdraft.engine.shipped_drafter_for`)."""
+    target, or for ``target``'s shape (:func:`~flashdraft.engine.default_dflash_drafter`)."""
     if drafter:
         return drafter
-    if model is None and (Path(DEFAULT_DRAFTER_DIR) / "config.json").exists():
-        return str(DEFAULT_DRAFTER_DIR)
-    shipped = None if target is None else shipped_drafter_for(target)
+    if target is None and model is not None:
+        return None
+    shipped = default_dflash_drafter(model, target)
     return None if shipped is None else str(shipped)
 
 

@@ -500,7 +500,7 @@ def run_offline(args) -> int:
 
     from flashdraft.drafters.ar_model import is_ar_drafter
     from flashdraft.drafters.dflash import load_dflash_model
-    from flashdraft.engine import DEFAULT_DRAFTER_DIR, shipped_drafter_for
+    from flashdraft.engine import default_dflash_drafter
 
     # the walk's bookkeeping (answer tables, bigram counts) is host code, not yet audited for
     # another device: it runs on the CPU, and says so rather than ignoring --device
@@ -518,8 +518,7 @@ def run_offline(args) -> int:
                                              draft_model=str(drafter_path) if walks_ar else None,
                                              backend=getattr(args, "backend", "auto"), device="cpu"))
     if not drafter_path:
-        shipped = DEFAULT_DRAFTER_DIR if not args.model else shipped_drafter_for(target)
-        drafter_path = shipped if shipped is not None and (Path(shipped) / "config.json").exists() else None
+        drafter_path = default_dflash_drafter(args.model or None, target)
     ar = None
     if walks_ar:
         from flashdraft.engine import draft_model_drafter
