@@ -58,3 +58,41 @@ def test_without_md_the_gemma_drafter_is_picked(target):
     assert "gemma" in shipped.name and shipped != DEFAULT_DRAFTER_DIR
     drafter = load_drafter(EngineConfig(model="gemma.gguf", spec_type="dflash"), target)
     assert drafter.model.config["num_target_layers"] == 18
+
+
+# -- the llama backend on the same GGUF -------------------------------------------------------
+_DRIFT_CHILD = """
+import sys
+from flashdraft.targets.llama import LlamaTarget
+print(LlamaTarget(sys.argv[1], n_ctx=256, cache_type_k="f16", cache_type_v="f16", warn=False).verify_drift())
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_target(gemma_path):
+    pytest.importorskip("llama_cpp", reason="the llama backend (make llama)")
+    return load_engine_target(EngineConfig(model=gemma_path, spec_type="ngram", backend="llama"))
+
+
+def test_verify_rows_equal_decode_steps_on_the_k_quant_gguf(llama_target, gemma_path):
+    import subprocess
+    import sys
+
+    from flashdraft.targets.binding import TILED_MM_ENV, child_env
+
+    assert llama_target.verify_drift(8) == 0.0 and llama_target.verify_drift(16) == 0.0
+    # ggml's own default (the tiled Q4_K/Q6_K matmul from 8 rows) is what drifted
+    env = {**child_env(), TILED_MM_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", _DRIFT_CHILD, gemma_path], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) > 0.1
+
+
+def test_greedy_prompt_lookup_on_the_llama_backend_is_identical(llama_target):
+    ids = llama_target.user_prompt_ids(SEED_PROMPTS[2])
+    base = generate_text(SpeculativeGenerator(llama_target), ids, 64, SamplingParams())
+    drafter = load_drafter(EngineConfig(model="gemma.gguf", spec_type="ngram", backend="llama"), llama_target)
+    out = generate_text(SpeculativeGenerator(llama_target, drafter, n_draft=15), ids, 64, SamplingParams())
+    assert out[1] == base[1]
+    assert out[3].draft_n > 0 and out[3].draft_n_accepted > 0

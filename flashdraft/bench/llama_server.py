@@ -40,6 +40,7 @@ from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Una
 from flashdraft.bench.measure import Generation, SpecCounts
 from flashdraft.bench.remote import open_json
 from flashdraft.sampling import SamplingParams
+from flashdraft.targets.binding import child_env
 
 LLAMA_SERVER_PEERS = ("llama-server", "llama-server-lookup", "llama-server-dflash")
 #: llama-cpp-python release whose vendored llama.cpp ``make llama-peer`` builds
@@ -101,7 +102,8 @@ class LlamaServerProcess:
         self.argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                      "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", "1", *extra]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=child_env())
         atexit.register(self.close)  # no server outlives the bench, even when it fails
         try:
             self._wait_healthy()

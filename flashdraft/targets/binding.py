@@ -16,6 +16,12 @@ Quirks kept here, so nothing else knows them:
   crashed in ``ggml_backend_amx_mul_mat`` (llama.cpp #20824). Extra buffer types (CPU
   repack, AMX) are turned off at load too (``use_extra_bufts = False``), for a build made
   with other options.
+- ggml's tiled K-quant matmul (``GGML_CPU_TILED_MM``, on by default) takes a Q4_K/Q6_K
+  matmul from 8 rows on and rounds otherwise than the one-row kernel a decode step uses:
+  on Gemma 3 270M Q4_K_M a verify block's logits differed from one-token steps by up to 1.63,
+  so greedy drafting could change the output. :data:`TILED_MM_ENV` is set to 0 before
+  llama.cpp loads (a user's own setting wins; ``LlamaTarget.verify_drift`` reports the
+  result); measured costs in docs/performance.md ("The llama backend").
 - A crash in native code kills the process, so :func:`probe` decodes a few tokens in a
   child process first; ``--backend auto`` uses the llama backend only when it passed.
 
@@ -38,6 +44,21 @@ log = logging.getLogger(__name__)
 
 #: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
 BINDING = "llama-cpp-python"
+
+#: ggml reads this once, at the process's first matmul: 0 keeps every K-quant matmul on the
+#: one-row kernel, so a verify block's rows are bit-identical to decode steps
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
+_tiled_mm_set_here = False
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for a llama.cpp program started from it (the llama-server
+    peer): without :data:`TILED_MM_ENV` where flashdraft set it, so the peer runs with its
+    own defaults."""
+    env = dict(os.environ)
+    if _tiled_mm_set_here:
+        env.pop(TILED_MM_ENV, None)
+    return env
 BINDING_VERSION = "0.3.36"
 INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~4 min on 2 cores)"
 
@@ -67,6 +88,9 @@ class Binding:
     """
 
     def __init__(self):
+        global _tiled_mm_set_here
+        if TILED_MM_ENV not in os.environ:
+            os.environ[TILED_MM_ENV], _tiled_mm_set_here = "0", True
         try:
             import llama_cpp
             from llama_cpp import llama_cpp as api

@@ -359,11 +359,13 @@ class LlamaTarget(TokenizerSide):
         """Max |logit| difference between a k-row verify and k one-token steps over the same
         tokens (0.0: bit-identical, so greedy drafting reproduces plain decoding exactly).
 
-        Measured once per target on a fixed text (2k + 4 forwards, a fraction of a second).
-        Bit-identical here on SmolLM2's Q4_1 GGUF with flash attention; not on Gemma 3's
-        Q4_K_M (1.63, docs/performance.md §10), where drafting may then change greedy output.
+        Measured once per target and k on a fixed text (2k + 4 forwards, a fraction of a
+        second). 0.0 on SmolLM2's Q4_1 GGUF and, with ggml's tiled K-quant matmul off
+        (:data:`~flashdraft.targets.binding.TILED_MM_ENV`), on Gemma 3's Q4_K_M (1.63 with it on,
+        from 8 rows: docs/performance.md, "The llama backend").
         """
-        if getattr(self, "_drift", None) is None:
+        drift = self.__dict__.setdefault("_drift", {})
+        if k not in drift:
             ids = self.encode("The quick brown fox jumps over the lazy dog. " * 3)
             ids = (ids * (1 + (k + 9) // max(len(ids), 1)))[: k + 8]
             prompt, block = ids[:8], ids[8:8 + k]
@@ -372,8 +374,8 @@ class LlamaTarget(TokenizerSide):
             self.forward(torch.tensor(prompt), b, len(prompt) - 1)
             rows = self.forward(torch.tensor(block), a)[0].clone()
             steps = torch.cat([self.forward(torch.tensor([x]), b)[0].clone() for x in block])
-            self._drift = float((rows - steps).abs().max())
-        return self._drift
+            drift[k] = float((rows - steps).abs().max())
+        return drift[k]
 
     # -- sequences ------------------------------------------------------------------------------
     def new_cache(self, capacity: int | None = None, fast: bool | None = None, kv=None) -> LlamaCache:
