@@ -268,7 +268,7 @@ class LlamaTarget(TokenizerSide):
         api = self._b.api
         eos = int(api.llama_vocab_eos(self._vocab))
         self.config = SimpleNamespace(max_position_embeddings=int(api.llama_model_n_ctx_train(self._model)),
-                                      eos_token_id=eos if eos >= 0 else None, model_type=self._arch())
+                                      eos_token_id=eos if eos >= 0 else None, model_type=self.architecture)
         ids = set()
         for src_ids in (getattr(self.config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(src_ids, int):
@@ -277,7 +277,9 @@ class LlamaTarget(TokenizerSide):
                 ids.update(int(i) for i in src_ids)
         self.eos_token_ids = ids
 
-    def _arch(self) -> str | None:
+    @property
+    def architecture(self) -> str | None:
+        """The GGUF's ``general.architecture`` (``llama``, ``gemma3``, ...), None if it has none."""
         buf = ctypes.create_string_buffer(64)
         n = self._b.api.llama_model_meta_val_str(self._model, b"general.architecture", buf, 64)
         return buf.value.decode() if n > 0 else None
@@ -332,7 +334,7 @@ class LlamaTarget(TokenizerSide):
         """
         layer_ids = list(layer_ids or [])
         b = self._b
-        arch = self._arch()
+        arch = self.architecture
         if layer_ids and arch not in LAYER_INPUT_ARCHS:  # llama.cpp aborts the process (GGML_ASSERT)
             raise ValueError(f"the llama backend cannot read context features of a {arch} target: llama.cpp's "
                              f"{arch} graph does not export its layer inputs (it does for "

@@ -218,6 +218,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     greedy = temperature == 0
+    # chat_template: prompts rendered by TokenizerSide.user_prompt_ids, the target's chat template
+    # where its tokenizer has one, else BOS + plain text (a base model such as Gemma 3 270M)
     settings = {"max_new_tokens": max_new_tokens, "weights": weights, "greedy": greedy, "chat_template": True,
                 "temperature": temperature, "top_k": top_k if not greedy else None,
                 "top_p": top_p if not greedy else None, "seed": seed, "engine": "packed"}
@@ -278,8 +280,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         from flashdraft.targets.llama import LAYER_INPUT_ARCHS
 
         packed = generate_packed_llama
-        if layer_ids and target._arch() not in LAYER_INPUT_ARCHS:  # the trainer / walk computes them
-            log.warning("llama.cpp's %s graph exports no layer inputs: storing no features", target._arch())
+        if layer_ids and target.architecture not in LAYER_INPUT_ARCHS:  # the trainer / walk computes them
+            log.warning("llama.cpp's %s graph exports no layer inputs: storing no features", target.architecture)
             layer_ids = []
         last = [i for i in layer_ids if i >= target.num_layers - 1]
         if last:  # llama.cpp exposes layer inputs: the last layer's output has none
