@@ -19,7 +19,8 @@ import statistics
 import subprocess
 import sys
 
-MODES = {"ggml default (tiled from 8 rows)": {}, "tiled off (flashdraft)": {"GGML_CPU_TILED_MM": "0"},
+# ggml's default is set explicitly: unset, the backend would turn the kernel off
+MODES = {"ggml default (tiled from 8 rows)": {"GGML_CPU_TILED_MM": "1"}, "tiled off (flashdraft)": {"GGML_CPU_TILED_MM": "0"},
          "tiled forced on every matmul": {"GGML_CPU_TILED_MM": "1", "GGML_CPU_TILED_MM_FORCE": "1"}}
 
 _CHILD = r"""
@@ -56,8 +57,6 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode, extra in MODES.items():
             env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED_MM")}
-            if not extra:  # ggml's default: set explicitly, or the backend would turn it off
-                env["GGML_CPU_TILED_MM"] = "1"
             env.update(extra)
             p = subprocess.run([sys.executable, "-c", _CHILD, args.gguf, str(args.threads)], env=env,
                                capture_output=True, text=True)

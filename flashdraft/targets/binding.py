@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
 BINDING = "llama-cpp-python"
+BINDING_VERSION = "0.3.36"
+INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~4 min on 2 cores)"
 
 #: ggml reads this once, at the process's first matmul: 0 keeps every K-quant matmul on the
 #: one-row kernel, so a verify block's rows are bit-identical to decode steps
@@ -59,8 +61,7 @@ def child_env() -> dict[str, str]:
     if _tiled_mm_set_here:
         env.pop(TILED_MM_ENV, None)
     return env
-BINDING_VERSION = "0.3.36"
-INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~4 min on 2 cores)"
+
 
 # llama-ext.h functions: C names, then the C++-linkage names some builds export
 _EXT = {
