@@ -140,3 +140,35 @@ def test_the_shipped_drafter_gets_tokens_accepted_in_llama_server(tmp_path):
 def test_tau_of_a_mode_that_drafts_the_whole_block():
     # 10 steps of 7 drafts, 12 accepted: 10 steps yield 22 tokens
     assert ls.tau_fixed_drafts(70, 12, 7) == pytest.approx(2.2)
+
+
+@needs_binary
+def test_a_dflash2_drafter_loads_in_llama_cpp_and_keeps_greedy_output(tmp_path):
+    """Our DFlash2 layout (convolutions + selector, module note 7 of dflash_format) is read by
+    llama.cpp's DFlash2 path: it loads, drafts through its selector lattice, and the output
+    stays the target's."""
+    from flashdraft.drafters.dflash_format import dflash2_config
+
+    target = write_tiny_gguf(tmp_path / "target.gguf")
+    config, state = _tiny_drafter(vocab=64, hidden=64)
+    config = dflash2_config(config, top_k=4, rank=8)
+    gen = torch.Generator().manual_seed(1)
+    for n, s in dflash_weight_shapes(config).items():
+        if n not in state:
+            state[n] = 0.1 * torch.randn(s, generator=gen)
+    path = tmp_path / "drafter2.gguf"
+    save_gguf(path, config, state, arch="dflash", target_gguf=target)
+    ids = [5, 9, 17, 3, 22, 41, 5, 9]
+    plain = ls.LlamaServerProcess(BINARY, target, 1, 256, [])
+    try:
+        want = _complete(plain, ids, 24)
+    finally:
+        plain.close()
+    spec = ls.LlamaServerProcess(BINARY, target, 1, 256, ["--spec-type", "draft-dflash", "-md", str(path),
+                                                          "--spec-draft-n-max", "3"])
+    try:
+        got = _complete(spec, ids, 24)
+    finally:
+        spec.close()
+    assert got["timings"].get("draft_n", 0) > 0, "llama.cpp loaded the DFlash2 drafter but never drafted"
+    assert got["tokens"] == want["tokens"]

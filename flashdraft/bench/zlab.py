@@ -72,11 +72,16 @@ def export_zlab(src: str | Path, out: str | Path) -> tuple[Path, list[str]]:
 
 
 def load_zlab_drafter(directory: str | Path):
-    """``dflash.model.DFlashDraftModel.from_pretrained(directory)`` in fp32, eval mode.
-    Raises ImportError when the ``dflash`` package is missing."""
-    from dflash.model import DFlashDraftModel
+    """``dflash.model.DFlashDraftModel.from_pretrained(directory)`` (``DFlash2DraftModel`` for
+    a DFlash2 drafter) in fp32, eval mode. Raises ImportError when the ``dflash`` package is
+    missing."""
+    import json
 
-    return DFlashDraftModel.from_pretrained(str(directory), dtype=torch.float32).eval()
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    cls = DFlash2DraftModel if "DFlash2DraftModel" in config.get("architectures", []) else DFlashDraftModel
+    return cls.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
 class _VerifyStarts:

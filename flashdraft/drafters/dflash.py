@@ -145,20 +145,40 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: dict):
+    """One drafter layer; with ``dflash2`` (``(conv_kernel_size, conv_group_size)``) its
+    attention and MLP are wrapped in :class:`~flashdraft.drafters.selector.DynamicCausalConv`
+    (before: side 0, after: side 1, both reading coefficients of the sublayer's input)."""
+
+    def __init__(self, cfg: dict, dflash2: tuple[int, int] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = DFlashMLP(cfg)
+        self.attention_conv = self.mlp_conv = None
+        if dflash2 is not None:
+            from flashdraft.drafters.selector import DynamicCausalConv
+
+            self.attention_conv = DynamicCausalConv(cfg["hidden_size"], *dflash2)
+            self.mlp_conv = DynamicCausalConv(cfg["hidden_size"], *dflash2)
+
+    @staticmethod
+    def _wrapped(conv, sublayer, h):
+        """``sublayer(h)``, between the two sides of ``conv`` when the layer has one."""
+        if conv is None:
+            return sublayer(h)
+        dyn = conv.coefficients(h)
+        return conv.apply(sublayer(conv.apply(h, dyn, 0)), dyn, 1)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = lambda h: self.self_attn(h, cos, sin, ctx_k, ctx_v, attn_mask)  # noqa: E731
+        x = x + self._wrapped(self.attention_conv, attn, self.input_layernorm(x))
+        return x + self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
     def forward_blocks(self, x, cos, sin, ctx_k, ctx_v, anchors):
-        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, anchors)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = lambda h: self.self_attn.forward_blocks(h, cos, sin, ctx_k, ctx_v, anchors)  # noqa: E731
+        x = x + self._wrapped(self.attention_conv, attn, self.input_layernorm(x))
+        return x + self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDraftModel(nn.Module):
@@ -187,8 +207,17 @@ class DFlashDraftModel(nn.Module):
         h = config["hidden_size"]
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config["rms_norm_eps"])
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config["num_hidden_layers"]))
+        #: DFlash2 (``dflash_config.selector_top_k`` > 0): convolutions in every layer and a
+        #: candidate selector picking the path (:mod:`flashdraft.drafters.selector`)
+        self.candidate_selector = None
+        top_k = int(dcfg.get("selector_top_k") or 0)
+        conv = (int(dcfg.get("conv_kernel_size") or 2), int(dcfg.get("conv_group_size") or 16)) if top_k else None
+        self.layers = nn.ModuleList(DFlashLayer(config, conv) for _ in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(h, config["rms_norm_eps"])
+        if top_k:
+            from flashdraft.drafters.selector import CandidateSelector
+
+            self.candidate_selector = CandidateSelector(h, int(config["vocab_size"]), int(dcfg["selector_rank"]), top_k)
         self.head_dim = self.layers[0].self_attn.head_dim
         #: optional reduced draft vocabulary: draft index -> target token id ``[V_d]``
         self.register_buffer("d2t", None)  # a None buffer is left out of state_dict()
@@ -200,6 +229,15 @@ class DFlashDraftModel(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Context features ``[..., k*H]`` -> fused ``[..., H]`` (fc + RMSNorm)."""
         return self.hidden_norm(self.fc(features))
+
+    def pick(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy draft indices ``[N, n]`` (draft vocabulary) of blocks whose positions 1..n
+        have states ``hidden [N, n, H]`` and logits ``[N, n, V_d]``; ``anchor_ids [N]`` are
+        the blocks' anchors (target ids). DFlash: the argmax per position; DFlash2: the
+        selector's path (:meth:`CandidateSelector.walk`)."""
+        if self.candidate_selector is None:
+            return logits.argmax(-1)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids, self.d2t)[0]
 
     def rope(self, positions: torch.Tensor):
         return rope_cos_sin(positions, self.head_dim, self.rope_theta)
@@ -521,6 +559,8 @@ class DFlashDrafter(Drafter):
         logits = (hidden.to(self.head_weight.dtype) @ self.head_weight.t()).float()  # [n, V_d]
         if constraint is not None:
             return self._constrained(logits, params, generator, constraint)
+        if self.model.candidate_selector is not None:
+            return self._selected(hidden, logits, block[0:1].to(self.device), params, generator)
         # 3. draft tokens: argmax at T=0, samples from q (same filters as the target) at T>0
         #    (the draft ids go to the host: the verify input and the stop rules are built there)
         if params.greedy:
@@ -538,6 +578,28 @@ class DFlashDrafter(Drafter):
         full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
         return Draft(self.d2t[idx].to(HOST), full)
 
+
+    def _selected(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+                  params: SamplingParams, generator: torch.Generator) -> Draft:
+        """Step 3 of a DFlash2 drafter: the selector's path through the top-k candidates
+        (argmax of the scores at T = 0, a sample of softmax(scores / T) at T > 0, whose row,
+        zero outside the candidates, is the q that verify reads). The gate cuts where the
+        softmax of the scores at the chosen candidate falls below ``p_min``, as llama.cpp's
+        DFlash2 walk does."""
+        temperature = 0.0 if params.greedy else params.temperature
+        idx, q, cand, scores = self.model.candidate_selector.walk(hidden[None], logits[None], anchor, self.d2t,
+                                                        temperature, generator)
+        idx, cand, scores = idx[0], cand[0], scores[0]  # [n], [n, k], [n, k]
+        n = idx.shape[0]
+        if self.p_min > 0:
+            picked = (cand == idx[:, None]).float().argmax(-1)
+            n = confident_prefix(torch.softmax(scores, -1).gather(1, picked[:, None])[:, 0], self.p_min)
+        tokens = (idx if self.d2t is None else self.d2t[idx])[:n]
+        if q is None:
+            return Draft(tokens.to(HOST))
+        cand_ids = cand[:n] if self.d2t is None else self.d2t[cand[:n]]
+        full = q.new_zeros(n, self.vocab_size).scatter_(1, cand_ids, q[0, :n])  # q over target ids
+        return Draft(tokens.to(HOST), full)
 
     def _constrained(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                      constraint) -> Draft:

@@ -37,6 +37,16 @@ Format sources (read, not copied): z-lab/dflash ``dflash/model.py`` and SpecForg
    ``save_gguf(target_gguf=...)`` does both from the target's GGUF: its ``tokenizer.*`` keys and
    its LM head rows ``d2t`` copied raw in the target's own quantisation (our engine projects with
    exactly those rows, ``lm_head.weight[d2t]``). Our loader ignores ``output.weight``.
+7. DFlash2 (``architectures: ["DFlash2DraftModel"]``, z-lab ``dflash`` 0.1.0; llama.cpp reads it
+   as arch ``dflash`` with ``dflash.{selector_top_k, selector_rank, conv_kernel_size,
+   conv_group_size}``): per layer ``layers.N.{attention,mlp}_conv.base_kernel`` [2, kernel, H]
+   (GGUF ``blk.N.{attn,ffn}_conv_base``, no ``.weight``) and ``.kernel_projection.weight``
+   [2*kernel*H/group, H] (``blk.N.{attn,ffn}_conv_proj.weight``); the selector's
+   ``candidate_selector.{predecessor,successor}_codebook`` [V, r] (stored *without*
+   ``.weight`` in z-lab's safetensors; GGUF ``selector_{predecessor,successor}.weight``) and
+   ``candidate_selector.hidden_projection.weight`` [r, H] (``selector_hidden.weight``).
+   llama.cpp packs top_k + top_k² selector scores into one hidden-size row, so it needs
+   ``H >= top_k * (top_k + 1)``; there is no legacy ``dflash-draft`` layout.
 """
 
 from __future__ import annotations
@@ -51,6 +61,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ARCHITECTURE = "DFlashDraftModel"
+#: a DFlash drafter with DFlash2's convolutions and candidate selector (module note 7)
+ARCHITECTURE2 = "DFlash2DraftModel"
+DFLASH2_KEYS = ("selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size")
 GGUF_ARCHS = ("dflash-draft", "dflash")
 REQUIRED_CONFIG_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -81,6 +94,7 @@ _GGUF_DTYPES = {  # save_gguf dtype -> (GGML type of matrices, general.file_type
     torch.bfloat16: (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 _INT_TYPES = {gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16,
               gguf.GGMLQuantizationType.I32, gguf.GGMLQuantizationType.I64}
 
@@ -96,10 +110,18 @@ def validate_dflash_config(config: dict) -> None:
             continue
         if config.get(key) is None:
             raise ValueError(f"DFlash config is missing required key {key!r}")
-    if ARCHITECTURE not in config["architectures"]:
+    if ARCHITECTURE not in config["architectures"] and ARCHITECTURE2 not in config["architectures"]:
         raise ValueError(f"config 'architectures' is {config['architectures']!r}, "
-                         f"expected [{ARCHITECTURE!r}]")
+                         f"expected [{ARCHITECTURE!r}] or [{ARCHITECTURE2!r}]")
     dflash = config["dflash_config"]
+    if ARCHITECTURE2 in config["architectures"]:
+        for key in DFLASH2_KEYS:
+            value = dflash.get(key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"a {ARCHITECTURE2} config needs 'dflash_config.{key}' >= 1, got {value!r}")
+        if config["hidden_size"] % dflash["conv_group_size"]:
+            raise ValueError(f"'dflash_config.conv_group_size' {dflash['conv_group_size']} does not divide "
+                             f"hidden_size {config['hidden_size']}")
     for key in ("mask_token_id", "target_layer_ids"):
         if dflash.get(key) is None:
             raise ValueError(f"DFlash config is missing required key 'dflash_config.{key}'")
@@ -125,7 +147,33 @@ def dflash_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
         }.items():
             shapes[f"layers.{n}.{name}.weight"] = shape
+    if is_dflash2(config):
+        d = config["dflash_config"]
+        ks, groups = d["conv_kernel_size"], h // d["conv_group_size"]
+        for n in range(config["num_hidden_layers"]):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{n}.{conv}.base_kernel"] = (2, ks, h)
+                shapes[f"layers.{n}.{conv}.kernel_projection.weight"] = (2 * ks * groups, h)
+        r, v = d["selector_rank"], config["vocab_size"]
+        shapes["candidate_selector.predecessor_codebook.weight"] = (v, r)
+        shapes["candidate_selector.successor_codebook.weight"] = (v, r)
+        shapes["candidate_selector.hidden_projection.weight"] = (r, h)
     return shapes
+
+
+def is_dflash2(config: dict) -> bool:
+    """True for a DFlash2 drafter config (``architectures`` names ``DFlash2DraftModel``)."""
+    return ARCHITECTURE2 in (config.get("architectures") or [])
+
+
+def dflash2_config(config: dict, top_k: int, rank: int = 32, conv_kernel: int = 2, conv_group: int = 16) -> dict:
+    """``config`` of a DFlash drafter turned into a DFlash2 one (selector top-k/rank, conv
+    kernel/group; z-lab's public DFlash2 drafters use kernel 2, group 16, rank 256, top-16)."""
+    config = copy.deepcopy(config)
+    config["architectures"] = [ARCHITECTURE2]
+    config.setdefault("dflash_config", {}).update(selector_top_k=int(top_k), selector_rank=int(rank),
+                                                  conv_kernel_size=int(conv_kernel), conv_group_size=int(conv_group))
+    return config
 
 
 def _check_state_dict(config: dict, state_dict: dict, source: str) -> None:
@@ -199,19 +247,29 @@ def _load_specforge(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for shard in shards:
         for name, tensor in load_file(str(directory / shard)).items():
             name = name.removeprefix("model.")
+            if name in _CODEBOOKS:  # z-lab stores the selector codebooks without ".weight"
+                name += ".weight"
             if name not in _IGNORED:
                 state_dict[name] = tensor
     _check_state_dict(config, state_dict, str(directory))
     return config, state_dict
 
 
-def _gguf_names(arch: str, num_layers: int) -> dict[str, str]:
-    """SpecForge weight name -> GGUF tensor name for ``arch``."""
+def _gguf_names(arch: str, num_layers: int, dflash2: bool = False) -> dict[str, str]:
+    """SpecForge weight name -> GGUF tensor name for ``arch`` (with DFlash2's tensors)."""
     names = {f"{k}.weight": f"{v}.weight" for k, v in _GLOBAL_NAMES[arch].items()}
     for n in range(num_layers):
         for hf, gg in {**_LAYER_NAMES, "post_attention_layernorm": _POST_ATTN_NORM[arch]}.items():
             names[f"layers.{n}.{hf}.weight"] = f"blk.{n}.{gg}.weight"
     names["d2t"] = "d2t"
+    if dflash2:
+        for n in range(num_layers):
+            for hf, gg in (("attention_conv", "attn_conv"), ("mlp_conv", "ffn_conv")):
+                names[f"layers.{n}.{hf}.base_kernel"] = f"blk.{n}.{gg}_base"
+                names[f"layers.{n}.{hf}.kernel_projection.weight"] = f"blk.{n}.{gg}_proj.weight"
+        for hf, gg in (("predecessor_codebook", "predecessor"), ("successor_codebook", "successor"),
+                       ("hidden_projection", "hidden")):
+            names[f"candidate_selector.{hf}.weight"] = f"selector_{gg}.weight"
     return names
 
 
@@ -267,13 +325,16 @@ def _load_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     }
     if fields.get("flashdraft.ngram_seeded"):
         config["dflash_config"]["ngram_seeded"] = True
+    if fields.get(f"{a}.selector_top_k"):
+        config["architectures"] = [ARCHITECTURE2]
+        config["dflash_config"].update({key: int(meta(f"{a}.{key}")) for key in DFLASH2_KEYS})
     config = _normalize_config(config)
     n_features = fields.get("dflash-draft.dflash.n_target_features")
     if n_features is not None and n_features != len(target_layer_ids) * hidden:
         raise ValueError(f"{path}: n_target_features={n_features} is not "
                          f"{len(target_layer_ids)} target layers x hidden {hidden}")
 
-    to_hf = {g: h for h, g in _gguf_names(arch, config["num_hidden_layers"]).items()}
+    to_hf = {g: h for h, g in _gguf_names(arch, config["num_hidden_layers"], is_dflash2(config)).items()}
     state_dict = {}
     for t in reader.tensors:
         if t.name in _IGNORED:
@@ -309,8 +370,8 @@ def save_specforge(out_dir: str | Path, config: dict, state_dict: dict[str, torc
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")  # "float16"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous()
-               for name, t in state_dict.items()}
+    tensors = {name.removesuffix(".weight") if name.removesuffix(".weight") in _CODEBOOKS else name:
+               (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in state_dict.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -342,6 +403,9 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
         raise ValueError(f"unsupported GGUF dtype {dtype!r}, expected one of {list(_GGUF_DTYPES)}")
     config = _normalize_config(config)
     _check_state_dict(config, state_dict, "state_dict")
+    dflash2 = is_dflash2(config)
+    if dflash2:
+        _check_dflash2_for_llama(config, arch)
     target = _TargetParts(target_gguf, config["vocab_size"]) if target_gguf is not None else None
     qtype, file_type = _GGUF_DTYPES[dtype]
     hidden, head_dim = config["hidden_size"], config["head_dim"]
@@ -379,14 +443,17 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
         target.add_tokenizer(w)  # before the mask id: the copy skips the target's own, if any
     if arch == "dflash":
         w.add_mask_token_id(config["dflash_config"]["mask_token_id"])
+    if dflash2:
+        for key in DFLASH2_KEYS:
+            w.add_uint32(f"dflash.{key}", int(config["dflash_config"][key]))
 
-    for name, gguf_name in _gguf_names(arch, config["num_hidden_layers"]).items():
+    for name, gguf_name in _gguf_names(arch, config["num_hidden_layers"], dflash2).items():
         if name not in state_dict:
             continue  # only the optional d2t can be absent here
         tensor = state_dict[name].detach().cpu()
         if not tensor.is_floating_point():
             w.add_tensor(gguf_name, tensor.numpy().astype(np.int64))
-        elif tensor.ndim == 1:
+        elif tensor.ndim == 1 or name.endswith("base_kernel"):  # vectors and the static conv kernels
             w.add_tensor(gguf_name, tensor.float().numpy())
         else:
             _add_matrix(w, gguf_name, tensor.float().numpy(), qtype)
@@ -396,6 +463,18 @@ def save_gguf(path: str | Path, config: dict, state_dict: dict[str, torch.Tensor
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _check_dflash2_for_llama(config: dict, arch: str) -> None:
+    """llama.cpp's limits on a DFlash2 file (``src/models/dflash.cpp``): the upstream arch only,
+    and a hidden size that holds the packed selector lattice (top-k + top-k² floats per row).
+    Raises ValueError naming the limit."""
+    if arch != "dflash":
+        raise ValueError("a DFlash2 drafter has no dflash-draft layout: write it with --arch dflash")
+    k, h = config["dflash_config"]["selector_top_k"], config["hidden_size"]
+    if h < k * (k + 1):
+        raise ValueError(f"selector_top_k {k} is too large for llama.cpp at hidden size {h} "
+                         f"(it packs top_k*(top_k+1) = {k * (k + 1)} scores per position into one hidden row)")
 
 
 def _add_matrix(w: gguf.GGUFWriter, name: str, array: np.ndarray, qtype) -> None:

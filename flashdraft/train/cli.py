@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-seeded", action="store_true",
                    help="train an n-gram-seeded drafter: block mask positions start as the prompt-lookup "
                         "continuation of the anchor (dflash_config.ngram_seeded)")
+    p.add_argument("--selector-top-k", type=int, default=0, metavar="K",
+                   help="DFlash2 path selection: keep the top K candidates per block position and train a "
+                        "selector that picks the path (0 = plain DFlash; 1 = the argmax path)")
+    p.add_argument("--selector-rank", type=int, default=32, help="rank of the DFlash2 selector's codebooks")
+    p.add_argument("--train-only", choices=["all", "selector"], default="all",
+                   help="selector: train only the DFlash2 selector on a frozen drafter (with --init-from)")
     p.add_argument("--init-layers", default=None, help="comma-separated target layers to initialise drafter layers from")
     p.add_argument("--eval-answers", type=int, default=24,
                    help="held-out answers walked per set at each evaluation (default 24)")
@@ -150,7 +156,8 @@ def run(args) -> int:
                       init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
                       heldout_root=args.heldout_root, init_from=args.init_from,
                       ngram_seeded=args.ngram_seeded, device=str(target.device), kind=args.kind,
-                      ar_features=args.ar_features)
+                      ar_features=args.ar_features, selector_top_k=args.selector_top_k,
+                      selector_rank=args.selector_rank, train_only=args.train_only)
     if args.kind == "ar":
         from flashdraft.train.ar_loop import ARTrainer
 

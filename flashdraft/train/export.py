@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.drafters.dflash import DFlashDraftModel
-from flashdraft.drafters.dflash_format import GGUF_ARCHS, load_dflash_checkpoint, save_gguf, save_specforge
+from flashdraft.drafters.dflash_format import (GGUF_ARCHS, is_dflash2, load_dflash_checkpoint, save_gguf,
+                                               save_specforge)
 
 
 FORMATS = ("specforge", "gguf")
@@ -38,7 +39,7 @@ def infer_format(dst: str | Path) -> str:
 
 
 def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str | Path, fmt: str,
-                    dtype: torch.dtype | str = torch.float16, arch: str = "dflash-draft",
+                    dtype: torch.dtype | str = torch.float16, arch: str | None = None,
                     target_gguf: str | Path | None = None) -> Path:
     """Write ``(config, state_dict)`` (canonical SpecForge names, see ``dflash_format``) as ``fmt``.
 
@@ -49,7 +50,8 @@ def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str 
         fmt: ``"specforge"`` or ``"gguf"``.
         dtype: storage type of floating weights: torch.float16/bfloat16/float32, or ``"q8_0"``
             (GGUF only). GGUF keeps norm vectors in F32 whatever ``dtype`` says.
-        arch: GGUF arch, ``"dflash-draft"`` or ``"dflash"``; ignored for ``specforge``.
+        arch: GGUF arch, ``"dflash-draft"`` or ``"dflash"``; None = ``dflash`` for a DFlash2
+            drafter (it has no other layout), else ``dflash-draft``; ignored for ``specforge``.
         target_gguf: the target's GGUF, whose tokenizer (and LM head rows ``d2t``) a GGUF for
             llama.cpp's ``draft-dflash`` needs (``dflash_format.save_gguf``); GGUF only.
     Returns:
@@ -65,6 +67,8 @@ def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str 
     if target_gguf is not None and fmt != "gguf":
         raise ValueError("--target applies to GGUF output only (a SpecForge drafter carries no tokenizer)")
     if fmt == "gguf":
+        if arch is None:
+            arch = "dflash" if is_dflash2(config) else "dflash-draft"
         if arch not in GGUF_ARCHS:
             raise ValueError(f"unknown GGUF arch {arch!r}; choose from {', '.join(GGUF_ARCHS)}")
         if out.is_dir():
@@ -81,7 +85,7 @@ def save_checkpoint(config: dict, state_dict: dict[str, torch.Tensor], out: str 
 
 
 def export_drafter(model: DFlashDraftModel, out: str | Path, fmt: str = "specforge",
-                   dtype: torch.dtype | str = torch.float16, arch: str = "dflash-draft",
+                   dtype: torch.dtype | str = torch.float16, arch: str | None = None,
                    d2t: torch.Tensor | None = None) -> Path:
     """Save a drafter network as a SpecForge directory or a GGUF file.
 
@@ -107,7 +111,7 @@ def export_drafter(model: DFlashDraftModel, out: str | Path, fmt: str = "specfor
     return save_checkpoint(model.config, state, out, fmt, dtype=dtype, arch=arch)
 
 
-def convert(src: str | Path, dst: str | Path, fmt: str | None = None, arch: str = "dflash-draft",
+def convert(src: str | Path, dst: str | Path, fmt: str | None = None, arch: str | None = None,
             dtype: torch.dtype | str = torch.float16, target_gguf: str | Path | None = None) -> Path:
     """Convert a drafter checkpoint (SpecForge dir or GGUF) to ``fmt`` at ``dst``.
 
@@ -140,8 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="destination: directory (specforge) or .gguf file")
     p.add_argument("--to", choices=FORMATS, default=None,
                    help="output format (default: gguf if DST ends in .gguf, else specforge)")
-    p.add_argument("--arch", choices=GGUF_ARCHS, default="dflash-draft",
-                   help="GGUF arch: dflash-draft (llama.cpp forks, default) or dflash (upstream llama.cpp)")
+    p.add_argument("--arch", choices=GGUF_ARCHS, default=None,
+                   help="GGUF arch: dflash-draft (llama.cpp forks; the default for DFlash) or dflash "
+                        "(upstream llama.cpp; the default, and the only layout, for DFlash2)")
     p.add_argument("--dtype", choices=list(DTYPES), default="f16",
                    help="weight type (default f16; q8_0 only for gguf)")
     p.add_argument("--target", default=None, metavar="TARGET.gguf",
@@ -153,8 +158,13 @@ def run(args) -> int:
     """``flashdraft convert``: prints the written path; errors raise ValueError/FileNotFoundError."""
     fmt = args.to or infer_format(args.dst)
     out = convert(args.src, args.dst, fmt=fmt, arch=args.arch, dtype=DTYPES[args.dtype], target_gguf=args.target)
-    what = f"gguf ({args.arch}, {args.dtype})" if fmt == "gguf" else f"specforge ({args.dtype})"
+    arch = None
+    if fmt == "gguf":  # what the file says (None chose by the drafter's kind)
+        import gguf
+
+        arch = gguf.GGUFReader(out).fields["general.architecture"].contents()
+    what = f"gguf ({arch}, {args.dtype})" if fmt == "gguf" else f"specforge ({args.dtype})"
     print(f"wrote {out} as {what}")
-    if fmt == "gguf" and args.arch == "dflash" and args.target is None:
+    if fmt == "gguf" and arch == "dflash" and args.target is None:
         print("note: without --target the file has no tokenizer; llama-server's draft-dflash will not load it")
     return 0

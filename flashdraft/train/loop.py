@@ -113,6 +113,27 @@ class TrainConfig:
     kind: str = "dflash"
     #: AR drafter only: read the target's last-layer state (EAGLE-1) instead of tokens alone
     ar_features: bool = False
+    #: DFlash2 path selection: candidates per position (0 = plain DFlash; a DFlash warm start
+    #: gains identity convolutions and a fresh selector, :func:`to_dflash2`) and codebook rank
+    selector_top_k: int = 0
+    selector_rank: int = 32
+    #: ``all`` trains every drafter weight; ``selector`` only the DFlash2 selector (the rest
+    #: frozen, so its forward needs no gradients: a cheap selector on a trained drafter)
+    train_only: str = "all"
+
+
+def to_dflash2(model: DFlashDraftModel, top_k: int, rank: int = 32) -> DFlashDraftModel:
+    """A DFlash2 drafter computing what ``model`` computes: its weights, identity dynamic
+    convolutions and a selector whose successor codebook is zero, so the first path is the
+    argmax path (:mod:`flashdraft.drafters.selector`)."""
+    from flashdraft.drafters.dflash_format import dflash2_config
+
+    new = DFlashDraftModel(dflash2_config(model.config, top_k, rank))
+    new.set_draft_vocab(model.d2t)
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("conv" in m or "selector" in m for m in missing), (missing, unexpected)
+    new.ngram_seeded = model.ngram_seeded
+    return new.to(model.fc.weight.dtype)
 
 
 def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenizer=None) -> torch.Tensor:
@@ -190,6 +211,9 @@ class Trainer:
         ckpt = self.out / "checkpoint.pt"
         state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
         self.drafter = self._build_drafter(state).to(self.device)
+        if cfg.train_only == "selector" and self.drafter.candidate_selector is None:
+            raise ValueError("--train-only selector needs a DFlash2 drafter (--selector-top-k K)")
+        self._unfreeze()
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step, self.tokens_seen, self.epoch, self.order_pos = 0, 0, 0, 0
@@ -271,7 +295,18 @@ class Trainer:
         if self.cfg.ngram_seeded:
             model.config["dflash_config"]["ngram_seeded"] = True
             model.ngram_seeded = True
+        if self.cfg.selector_top_k and model.candidate_selector is None:
+            model = to_dflash2(model, self.cfg.selector_top_k, self.cfg.selector_rank)
+            log.info("DFlash2: top-%d candidates, selector rank %d", self.cfg.selector_top_k, self.cfg.selector_rank)
         return model
+
+    def _unfreeze(self) -> None:
+        """Gradients on for what ``train_only`` trains, off for the rest."""
+        if self.cfg.train_only == "selector":
+            self.drafter.requires_grad_(False)
+            self.drafter.candidate_selector.requires_grad_(True)
+        else:
+            self.drafter.requires_grad_(True)
 
     # -- data -------------------------------------------------------------------------
     def _read_all(self) -> list[tuple[str, torch.Tensor, int, int]]:
@@ -366,7 +401,8 @@ class Trainer:
                 result[f"tau_{name}"] = r["tau"]
                 result[f"accept1_{name}"] = r["per_position_acceptance"][0]
         finally:
-            self.drafter.train(was_training).requires_grad_(True)
+            self.drafter.train(was_training)
+            self._unfreeze()
         return result
 
     def _evaluate_online(self) -> dict:
@@ -384,7 +420,8 @@ class Trainer:
                 _, _, _, t = generate_text(gen, ids, self.cfg.eval_tokens, SamplingParams())
                 produced, steps = produced + t.verify_n, steps + t.n_steps - 1
             result[f"tau_{name}"] = round(produced / max(1, steps), 4)
-        self.drafter.train(was_training).requires_grad_(True)
+        self.drafter.train(was_training)
+        self._unfreeze()
         self.target.set_feature_layers(self.drafter.target_layer_ids)
         return result
 
@@ -395,7 +432,8 @@ class Trainer:
         if cfg.bf16 is None:
             cfg.bf16 = bf16_default(self.device)
             log.info("bf16 autocast %s on %s (default for this device)", "on" if cfg.bf16 else "off", self.device)
-        self.drafter.train().requires_grad_(True)
+        self.drafter.train()
+        self._unfreeze()
         gamma = default_gamma(self.drafter.block_size)
         deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
         stop = {"flag": False}

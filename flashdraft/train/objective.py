@@ -109,7 +109,12 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
         soft_weight: share of the soft-label term (0 = hard labels only, 1 = soft only).
     Returns:
         ``(loss, correct [B-1], counted [B-1])``: the scalar loss and, per block position,
-        how many labels the drafter's argmax got right out of how many there were.
+        how many labels the drafter's argmax (a DFlash2 drafter: its selector, given the true
+        previous token) got right out of how many there were.
+
+    A DFlash2 drafter (``drafter.candidate_selector``) adds the selector's cross-entropy over
+    each row's top-k candidates (:meth:`CandidateSelector.loss`; rows whose label is not a
+    candidate add 0), weighted as the drafter's rows.
 
     All K blocks go through one :meth:`DFlashDraftModel.forward_blocks` (each sees only the
     context before its anchor and itself). Every tensor argument must be on the drafter's
@@ -150,9 +155,19 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
     w = torch.cat([torch.zeros(1, device=dev), loss_weights(B, gamma, dev)])[k] * valid_row
     if soft_weight < 1.0:
         w = w * ((target != IGNORE) | (soft is not None and soft_weight > 0))
+    picked = logits.argmax(-1)
+    if drafter.candidate_selector is not None:
+        # DFlash2: the selector's cross-entropy over each row's top-k, predecessor = the true
+        # previous token (the anchor at block position 1), on the same position weights
+        prev = ids[(positions - 1).clamp(0, ids.shape[0] - 1)]
+        sel_rows, _, sel_right = drafter.candidate_selector.loss(hidden, logits, labels, prev, drafter.d2t)
+        loss_rows = loss_rows + sel_rows
+        # what the path walk would pick on the true prefix: the selector's choice where the
+        # label is a candidate, else (a miss either way) the argmax
+        picked = torch.where(sel_right, target, torch.where(picked == target, -1, picked))
     loss = (loss_rows * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target) & valid_row
+        hit = (picked == target) & valid_row
         correct = torch.zeros(B, device=dev).index_add_(0, k, hit.float())[1:]
         counted = torch.zeros(B, device=dev).index_add_(0, k, valid_row.float())[1:]
     return loss, correct, counted

@@ -153,7 +153,8 @@ class DFlashProposals:
         self.table = (torch.cat(rows) if rows else torch.empty(0, B - 1, dtype=torch.long)).cpu()  # [n_anchors, B-1]
 
     def _draft(self, anchors: torch.Tensor, length: int) -> torch.Tensor:
-        """Greedy drafts ``[K, length-1]`` (target ids) of blocks of ``length`` rows."""
+        """Greedy drafts ``[K, length-1]`` (target ids) of blocks of ``length`` rows (a DFlash2
+        drafter's: the selector's path, :meth:`DFlashDraftModel.pick`)."""
         block = torch.full((anchors.shape[0], length), self.model.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = self.ids[anchors]
         if self.candidates is not None:
@@ -163,7 +164,8 @@ class DFlashProposals:
                 seed_block(block[j], self.candidates[a - self.n_prompt])
         x = F.embedding(block, self.embed_weight).to(self.model.fc.weight.dtype)  # [K, length, H]
         hidden = self.model.forward_blocks(x, anchors, self.ctx)[:, 1:]  # [K, length-1, H]
-        idx = (hidden.to(self.head_weight.dtype) @ self.head_weight.t()).argmax(-1)
+        logits = hidden.to(self.head_weight.dtype) @ self.head_weight.t()
+        idx = self.model.pick(hidden, logits, self.ids[anchors])  # argmax, or DFlash2's path
         return idx if self.d2t is None else self.d2t[idx]
 
     @torch.inference_mode()
