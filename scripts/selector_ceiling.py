@@ -62,7 +62,7 @@ def main() -> int:
     torch.set_num_threads(1)
     from flashdraft.engine import EngineConfig, load_engine_target
 
-    target = load_engine_target(EngineConfig(spec_type="none", threads=1))
+    target = load_engine_target(EngineConfig(spec_type="none", device="cpu"))
     model = load_dflash_model(args.drafter).eval()
     d2t = model.d2t
     report = {}

@@ -8,7 +8,7 @@ from flashdraft.drafters.dflash import DFlashDraftModel, DFlashDrafter, drafter_
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from flashdraft.train.objective import (IGNORE, block_attention_mask, build_blocks, cosine_lr, dflash_loss,
-                                        loss_weights, sample_anchors)
+                                        loss_weights, reached, sample_anchors)
 from tiny import tiny_target
 
 
@@ -85,3 +85,52 @@ def test_training_drives_accuracy_up_on_a_synthetic_task():
     out = generate_text(gen, prompt, 12, SamplingParams(), ignore_eos=True)
     base = generate_text(SpeculativeGenerator(target), prompt, 12, SamplingParams(), ignore_eos=True)
     assert out[1] == base[1]
+
+
+def test_reached_positions_end_at_the_first_miss():
+    right = torch.tensor([[False, True, True, False, True, True],
+                          [True, False, True, True, True, True],
+                          [False, True, True, True, True, True]])
+    assert reached(right).tolist() == [[False, True, True, True, False, False],
+                                       [False, True, False, False, False, False],
+                                       [False, True, True, True, True, True]]
+
+
+def test_griffin_mask_keeps_positions_up_to_the_first_miss():
+    """``after_miss=False``: the loss is the weighted CE of the positions whose earlier block
+    positions the drafter all got right (computed here row by row from its argmax)."""
+    torch.manual_seed(1)
+    target = tiny_target("llama", layers=2)
+    cfg = drafter_config_for_target(target.config, num_layers=1, block_size=5, mask_token_id=0,
+                                    target_layer_ids=[0, 1])
+    drafter = DFlashDraftModel(cfg)
+    target.set_feature_layers(drafter.target_layer_ids)
+    ids = torch.tensor([3, 7, 7, 9, 12, 3, 7, 7, 9, 12, 3, 7, 7, 5, 2, 8])
+    with torch.no_grad():
+        _, feats = target.forward(ids, target.new_cache())
+    feats = feats.clone()
+    anchors = torch.tensor([2, 5, 9])
+    emb, head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    full, _, _ = dflash_loss(drafter, feats, ids, anchors, emb, head, None, gamma=4.0)
+    masked, _, _ = dflash_loss(drafter, feats, ids, anchors, emb, head, None, gamma=4.0, after_miss=False)
+    # reference: the same forward, rows weighted by hand
+    with torch.no_grad():
+        block_ids, positions, labels = build_blocks(ids, anchors, 5, 0)
+        fused = drafter.fuse(feats[None])
+        ctx = drafter.context_kv(fused, torch.arange(feats.shape[0])[None])
+        x = torch.nn.functional.embedding(block_ids, emb).view(3, 5, -1)
+        logits = (drafter.forward_blocks(x, anchors, ctx).reshape(15, -1) @ head.t()).float()
+        ce = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        w_k = loss_weights(5, 4.0)
+        num = den = 0.0
+        kept = 0
+        for j in range(3):
+            ok = True
+            for k in range(1, 5):
+                r = j * 5 + k
+                if ok:
+                    num, den, kept = num + w_k[k - 1] * ce[r], den + w_k[k - 1], kept + 1
+                ok = ok and int(logits[r].argmax()) == int(labels[r])
+    assert 3 <= kept < 12  # some positions masked, not all
+    assert torch.allclose(masked, num / den, atol=1e-5)
+    assert not torch.allclose(masked, full)

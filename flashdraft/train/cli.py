@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-seeded", action="store_true",
                    help="train an n-gram-seeded drafter: block mask positions start as the prompt-lookup "
                         "continuation of the anchor (dflash_config.ngram_seeded)")
+    p.add_argument("--mask-after-miss", action="store_true",
+                   help="GRIFFIN-style loss mask: a block position counts only while the drafter is right at "
+                        "every position before it (decoding never reaches the others)")
     p.add_argument("--selector-top-k", type=int, default=0, metavar="K",
                    help="DFlash2 path selection: keep the top K candidates per block position and train a "
                         "selector that picks the path (0 = plain DFlash; 1 = the argmax path)")
@@ -152,7 +155,7 @@ def run(args) -> int:
                       blocks_per_step=args.blocks_per_step, steps=args.steps, max_hours=hours, max_cpu_hours=args.max_cpu_hours, lr=args.lr,
                       draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id, seed=args.seed,
                       bf16={"auto": None, "on": True, "off": False}[args.bf16], eval_minutes=args.eval_minutes, seqs_per_step=args.seqs_per_step,
-                      feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight,
+                      feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight, mask_after_miss=args.mask_after_miss,
                       init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
                       heldout_root=args.heldout_root, init_from=args.init_from,
                       ngram_seeded=args.ngram_seeded, device=str(target.device), kind=args.kind,

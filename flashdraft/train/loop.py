@@ -101,6 +101,9 @@ class TrainConfig:
     seqs_per_step: int = 1
     #: share of the soft-label term (the target's top-k next-token distribution), 0 = hard CE
     soft_weight: float = 0.0
+    #: GRIFFIN-style loss mask: drop block positions after the drafter's first miss
+    #: (:func:`~flashdraft.train.objective.dflash_loss` ``after_miss=False``)
+    mask_after_miss: bool = False
     #: held-out answers walked per set at each evaluation (offline τ, ``flashdraft.train.walk``)
     eval_answers: int = 48
     heldout_root: str = "datasets/heldout"
@@ -478,7 +481,8 @@ class Trainer:
                 for ids, anchors, feats, soft in batch:
                     with torch.autocast(autocast_device_type(self.device), dtype=torch.bfloat16, enabled=cfg.bf16):
                         loss, c_i, n_i = dflash_loss(self.drafter, feats, ids, anchors, self.embed_weight,
-                                                     self.head_weight, self.t2d, gamma, soft, cfg.soft_weight)
+                                                     self.head_weight, self.t2d, gamma, soft, cfg.soft_weight,
+                                                     after_miss=not cfg.mask_after_miss)
                     (loss / len(batch)).backward()
                     # the counters go to the host (a few floats; float(loss) syncs anyway)
                     total, c, n = total + float(loss.detach()) / len(batch), c + c_i.cpu(), n + n_i.cpu()

@@ -86,10 +86,20 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -
     return torch.cat([ctx, own], dim=1)
 
 
+def reached(right: torch.Tensor) -> torch.Tensor:
+    """Which block positions decoding can reach: ``right [K, B]`` bool (position 0 = the
+    anchor, ignored) -> ``[K, B]`` bool, True at positions 1..B-1 while every earlier draft
+    position of the block is right (position 1 always)."""
+    K, dev = right.shape[0], right.device
+    ones = torch.ones(K, 1, dtype=torch.bool, device=dev)
+    reach = torch.cat([ones, right[:, 1:-1].int().cumprod(1).bool()], 1)  # positions 1..B-1
+    return torch.cat([~ones, reach], 1)
+
+
 def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor, t2d: torch.Tensor | None,
                 gamma: float, soft: tuple[torch.Tensor, torch.Tensor] | None = None,
-                soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                soft_weight: float = 0.0, after_miss: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted block loss for one sequence: hard cross-entropy, soft-label KL, or a mix.
 
     Args:
@@ -107,6 +117,10 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
             Model-Optimizer's default DFlash objective distils these logits; top-k
             renormalised over the ids inside the draft vocabulary).
         soft_weight: share of the soft-label term (0 = hard labels only, 1 = soft only).
+        after_miss: train the positions after a block's first miss too (the DFlash paper's
+            loss). False = GRIFFIN-style masking (Hu et al. 2025, "GRIFFIN", §3.2): a position
+            counts only while the drafter's argmax is right at every position before it, the
+            only positions decoding can reach.
     Returns:
         ``(loss, correct [B-1], counted [B-1])``: the scalar loss and, per block position,
         how many labels the drafter's argmax (a DFlash2 drafter: its selector, given the true
@@ -156,6 +170,9 @@ def dflash_loss(drafter: DFlashDraftModel, features: torch.Tensor, ids: torch.Te
     if soft_weight < 1.0:
         w = w * ((target != IGNORE) | (soft is not None and soft_weight > 0))
     picked = logits.argmax(-1)
+    if not after_miss:
+        with torch.no_grad():
+            w = w * reached(((picked == target) | ~valid_row).view(K, B)).view(-1)
     if drafter.candidate_selector is not None:
         # DFlash2: the selector's cross-entropy over each row's top-k, predecessor = the true
         # previous token (the anchor at block position 1), on the same position weights
