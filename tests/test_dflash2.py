@@ -301,6 +301,35 @@ def test_trainer_trains_only_the_selector_and_exports_dflash2(tmp_path, target):
         Trainer(TrainConfig(steps=1, **{**cfg, "selector_top_k": 0, "out_dir": str(tmp_path / "r2")}), target=target)
 
 
+def test_selector_lr_is_its_own_group_and_resume_checks_groups(tmp_path, target):
+    """``--selector-lr``: the selector trains at its own peak rate beside the body's, in the
+    cosine schedule's proportion; a resume with another group split fails with a message."""
+    import json
+
+    from flashdraft.train.export import export_drafter
+    from flashdraft.train.loop import TrainConfig, Trainer
+
+    lines = [json.dumps({"id": sid, "prompt_ids": ids[:n].tolist(), "response_ids": ids[n:].tolist()})
+             for sid, ids, n, _ in baseline_answers(target)]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
+    export_drafter(random_dflash_model(target.model, num_layers=1, block_size=4, mask_token_id=63),
+                   tmp_path / "warm", "specforge", dtype=torch.float32)
+    cfg = dict(data_dir=str(data), out_dir=str(tmp_path / "run"), init_from=str(tmp_path / "warm"),
+               selector_top_k=4, selector_rank=8, blocks_per_step=8, seqs_per_step=2,
+               eval_minutes=0, bf16=False, lr=1e-4, selector_lr=3e-3)
+    trainer = Trainer(TrainConfig(steps=4, **cfg), target=target)
+    body, sel = trainer.opt.param_groups
+    n_sel = sum(p.numel() for p in trainer.drafter.candidate_selector.parameters())
+    assert sum(p.numel() for p in sel["params"]) == n_sel
+    assert sum(p.numel() for p in body["params"]) == sum(p.numel() for p in trainer.drafter.parameters()) - n_sel
+    trainer.train()
+    assert sel["lr"] == pytest.approx(30 * body["lr"]) and body["lr"] > 0
+    with pytest.raises(ValueError, match="parameter groups"):
+        Trainer(TrainConfig(steps=5, **{**cfg, "train_only": "selector"}), target=target)
+
+
 def test_convert_writes_a_dflash2_drafter_as_upstream_dflash(tmp_path, target, capsys):
     import gguf
 

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash2 path selection: keep the top K candidates per block position and train a "
                         "selector that picks the path (0 = plain DFlash; 1 = the argmax path)")
     p.add_argument("--selector-rank", type=int, default=32, help="rank of the DFlash2 selector's codebooks")
+    p.add_argument("--selector-lr", type=float, default=None,
+                   help="peak learning rate of the DFlash2 selector (default: --lr); e.g. 3e-3 beside a --lr 1e-4 body")
     p.add_argument("--train-only", choices=["all", "selector"], default="all",
                    help="selector: train only the DFlash2 selector on a frozen drafter (with --init-from)")
     p.add_argument("--init-layers", default=None, help="comma-separated target layers to initialise drafter layers from")
@@ -160,7 +162,8 @@ def run(args) -> int:
                       heldout_root=args.heldout_root, init_from=args.init_from,
                       ngram_seeded=args.ngram_seeded, device=str(target.device), kind=args.kind,
                       ar_features=args.ar_features, selector_top_k=args.selector_top_k,
-                      selector_rank=args.selector_rank, train_only=args.train_only)
+                      selector_rank=args.selector_rank, train_only=args.train_only,
+                      selector_lr=args.selector_lr)
     if args.kind == "ar":
         from flashdraft.train.ar_loop import ARTrainer
 

@@ -123,6 +123,9 @@ class TrainConfig:
     #: ``all`` trains every drafter weight; ``selector`` only the DFlash2 selector (the rest
     #: frozen, so its forward needs no gradients: a cheap selector on a trained drafter)
     train_only: str = "all"
+    #: peak learning rate of the DFlash2 selector (None = ``lr``): a fresh low-rank selector
+    #: learns at ~10x the rate that keeps a trained drafter body stable (docs/training.md)
+    selector_lr: float | None = None
 
 
 def to_dflash2(model: DFlashDraftModel, top_k: int, rank: int = 32) -> DFlashDraftModel:
@@ -217,11 +220,16 @@ class Trainer:
         if cfg.train_only == "selector" and self.drafter.candidate_selector is None:
             raise ValueError("--train-only selector needs a DFlash2 drafter (--selector-top-k K)")
         self._unfreeze()
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay)
         self.step, self.tokens_seen, self.epoch, self.order_pos = 0, 0, 0, 0
         if state:
-            self.opt.load_state_dict(state["optimizer"])
+            try:
+                self.opt.load_state_dict(state["optimizer"])
+            except ValueError as e:  # a different group split (e.g. --selector-lr added on resume)
+                raise ValueError(f"{ckpt}: the checkpoint's optimizer does not match this run's parameter groups "
+                                 f"({e}); resume with the flags it was started with, or start a new --out "
+                                 "with --init-from") from e
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.epoch, self.order_pos = state["epoch"], state["order_pos"]
             self.gen.set_state(state["rng"])
@@ -310,6 +318,16 @@ class Trainer:
             self.drafter.candidate_selector.requires_grad_(True)
         else:
             self.drafter.requires_grad_(True)
+
+    def _param_groups(self) -> list[dict]:
+        """Optimizer groups: the drafter body at ``lr``, the DFlash2 selector at ``selector_lr``
+        (each group's ``lr_scale`` multiplies the schedule)."""
+        sel = self.drafter.candidate_selector
+        sel_ids = {id(p) for p in sel.parameters()} if sel is not None else set()
+        body = [p for p in self.drafter.parameters() if p.requires_grad and id(p) not in sel_ids]
+        picked = [p for p in self.drafter.parameters() if p.requires_grad and id(p) in sel_ids]
+        scale = (self.cfg.selector_lr or self.cfg.lr) / self.cfg.lr
+        return [g for g in ({"params": body, "lr_scale": 1.0}, {"params": picked, "lr_scale": scale}) if g["params"]]
 
     # -- data -------------------------------------------------------------------------
     def _read_all(self) -> list[tuple[str, torch.Tensor, int, int]]:
@@ -470,9 +488,10 @@ class Trainer:
                                              cfg.blocks_per_step, self.gen)
                     if anchors.numel():
                         batch.append((ids.to(self.device), anchors.to(self.device), feats, soft))
+                lr = (cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac) if budget is None else
+                      cosine_lr(int(1000 * self.cpu_seconds), int(1000 * budget), cfg.lr, cfg.warmup_frac))
                 for group in self.opt.param_groups:
-                    group["lr"] = (cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup_frac) if budget is None else
-                                   cosine_lr(int(1000 * self.cpu_seconds), int(1000 * budget), cfg.lr, cfg.warmup_frac))
+                    group["lr"] = lr * group.get("lr_scale", 1.0)
                 # 2. the blocks' loss, averaged over the step's sequences
                 cpu0 = time.process_time()
                 self.opt.zero_grad(set_to_none=True)
