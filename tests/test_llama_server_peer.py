@@ -99,19 +99,7 @@ def test_the_converted_drafter_loads_in_llama_cpp_dflash_and_keeps_greedy_output
     with pytest.raises(ls.LlamaServerError):
         ls.LlamaServerProcess(BINARY, target, 1, 256, ["--spec-type", "draft-dflash", "-md", str(bare)]).close()
 
-    plain = ls.LlamaServerProcess(BINARY, target, 1, 256, [])
-    try:
-        want = _complete(plain, ids, 24)
-    finally:
-        plain.close()
-    spec = ls.LlamaServerProcess(BINARY, target, 1, 256, ["--spec-type", "draft-dflash", "-md", str(full),
-                                                          "--spec-draft-n-max", "3"])
-    try:
-        got = _complete(spec, ids, 24)
-    finally:
-        spec.close()
-    assert got["timings"].get("draft_n", 0) > 0, "llama.cpp loaded the drafter but never drafted"
-    assert got["tokens"] == want["tokens"]  # random drafts, verified: the target's greedy text
+    _assert_dflash_keeps_greedy_text(target, full, ids)
 
 
 @needs_binary
@@ -159,16 +147,22 @@ def test_a_dflash2_drafter_loads_in_llama_cpp_and_keeps_greedy_output(tmp_path):
     path = tmp_path / "drafter2.gguf"
     save_gguf(path, config, state, arch="dflash", target_gguf=target)
     ids = [5, 9, 17, 3, 22, 41, 5, 9]
+    _assert_dflash_keeps_greedy_text(target, path, ids)
+
+
+def _assert_dflash_keeps_greedy_text(target, drafter, ids: list[int]) -> None:
+    """llama-server with ``drafter`` (random weights) drafts, and its verified greedy text is
+    plain llama-server's."""
     plain = ls.LlamaServerProcess(BINARY, target, 1, 256, [])
     try:
         want = _complete(plain, ids, 24)
     finally:
         plain.close()
-    spec = ls.LlamaServerProcess(BINARY, target, 1, 256, ["--spec-type", "draft-dflash", "-md", str(path),
+    spec = ls.LlamaServerProcess(BINARY, target, 1, 256, ["--spec-type", "draft-dflash", "-md", str(drafter),
                                                           "--spec-draft-n-max", "3"])
     try:
         got = _complete(spec, ids, 24)
     finally:
         spec.close()
-    assert got["timings"].get("draft_n", 0) > 0, "llama.cpp loaded the DFlash2 drafter but never drafted"
-    assert got["tokens"] == want["tokens"]
+    assert got["timings"].get("draft_n", 0) > 0, f"llama.cpp loaded {drafter} but never drafted"
+    assert got["tokens"] == want["tokens"]  # random drafts, verified: the target's greedy text

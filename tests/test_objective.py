@@ -50,15 +50,21 @@ def test_loss_weights_and_schedule():
     assert abs(cosine_lr(99, 100, 1.0)) < 1e-3
 
 
+def _tiny_pair(block_size: int):
+    """A 2-layer tiny target and a fresh 1-layer drafter reading both its layers."""
+    target = tiny_target("llama", layers=2)
+    cfg = drafter_config_for_target(target.config, num_layers=1, block_size=block_size, mask_token_id=0,
+                                    target_layer_ids=[0, 1])
+    drafter = DFlashDraftModel(cfg)
+    target.set_feature_layers(drafter.target_layer_ids)
+    return target, drafter
+
+
 def test_training_drives_accuracy_up_on_a_synthetic_task():
     """A language of repeated tokens (each sequence repeats one random token): the drafter
     must learn to copy its anchor into every block position."""
     torch.manual_seed(0)
-    target = tiny_target("llama", layers=2)
-    cfg = drafter_config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0,
-                                    target_layer_ids=[0, 1])
-    drafter = DFlashDraftModel(cfg)
-    target.set_feature_layers(drafter.target_layer_ids)
+    target, drafter = _tiny_pair(block_size=4)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     emb, head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
@@ -100,11 +106,7 @@ def test_griffin_mask_keeps_positions_up_to_the_first_miss():
     """``after_miss=False``: the loss is the weighted CE of the positions whose earlier block
     positions the drafter all got right (computed here row by row from its argmax)."""
     torch.manual_seed(1)
-    target = tiny_target("llama", layers=2)
-    cfg = drafter_config_for_target(target.config, num_layers=1, block_size=5, mask_token_id=0,
-                                    target_layer_ids=[0, 1])
-    drafter = DFlashDraftModel(cfg)
-    target.set_feature_layers(drafter.target_layer_ids)
+    target, drafter = _tiny_pair(block_size=5)
     ids = torch.tensor([3, 7, 7, 9, 12, 3, 7, 7, 9, 12, 3, 7, 7, 5, 2, 8])
     with torch.no_grad():
         _, feats = target.forward(ids, target.new_cache())
