@@ -162,3 +162,22 @@ def test_hidden_states_beyond_float16_train_and_refuse_to_be_stored(tmp_path):
     trainer.train()
     log = (tmp_path / "run" / "train_log.jsonl").read_text()
     assert "NaN" not in log
+
+
+def test_model_card_names_the_default_target_and_the_dflash2_recipe(tmp_path):
+    """No -m: the card names the packaged target (not `None`) and its command drops -m; a
+    DFlash2 run with masking says so in the training row."""
+    import json
+    from types import SimpleNamespace
+
+    from flashdraft.train.card import model_card
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "block_size": 8, "dflash_config": {}}))
+    target = SimpleNamespace(name="Smol.Q4_1", num_layers=30, hidden_size=576, vocab_size=49152)
+    cfg = TrainConfig(data_dir="d", out_dir="o", target=None, selector_top_k=16, selector_lr=3e-3,
+                      mask_after_miss=True)
+    card = model_card(target, tmp_path, cfg, {"step": 3, "cpu_hours": 0.5},
+                      {"answers": 2, "tokens": 9, "dirs": ["d"]}, [])
+    assert "`None`" not in card and "-m None" not in card
+    assert "the packaged default, Smol.Q4_1" in card and "`flashdraft eval --offline --dataset" in card
+    assert "top-16 (selector rank 32, lr 0.003)" in card and "after the first miss" in card

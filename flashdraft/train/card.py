@@ -38,11 +38,20 @@ def model_card(target, drafter_dir: Path, cfg, result: dict, data: dict, rows: l
     config = json.loads((drafter_dir / "config.json").read_text())
     dc = config.get("dflash_config", {})
     d2t = data.get("draft_vocab", "full")
+    # no -m: the packaged default target (the card names it; its command needs no -m)
+    target_row = f"`{cfg.target}`" if cfg.target else f"the packaged default, {target.name}"
+    m_flag = f" -m {cfg.target}" if cfg.target else ""
+    extras = ""
+    if cfg.selector_top_k:
+        extras += (f", DFlash2 path selection top-{cfg.selector_top_k} (selector rank {cfg.selector_rank}, "
+                   f"lr {cfg.selector_lr if cfg.selector_lr is not None else cfg.lr})")
+    if cfg.mask_after_miss:
+        extras += ", loss masked after the first miss (GRIFFIN)"
     lines = [f"# DFlash drafter for {target.name}", "",
              f"A block-diffusion drafter (DFlash) trained by `flashdraft train` for **{target.name}** "
              f"({target.num_layers} layers, hidden {target.hidden_size}, vocabulary {target.vocab_size}).", "",
              "| | |", "| --- | --- |",
-             f"| target | `{cfg.target}` |",
+             f"| target | {target_row} |",
              f"| shape | {config['num_hidden_layers']} layer(s), block size {config['block_size']}, context features of "
              f"target layers {dc.get('target_layer_ids')}, mask token id {dc.get('mask_token_id')}, draft vocabulary "
              f"{d2t}, n-gram-seeded: {bool(dc.get('ngram_seeded'))} |",
@@ -50,7 +59,7 @@ def model_card(target, drafter_dir: Path, cfg, result: dict, data: dict, rows: l
              f"{', '.join(f'`{d}`' for d in data['dirs'])} |",
              f"| training | {result.get('step')} steps, {result.get('cpu_hours', 0):.3f} CPU-hours of training steps, "
              f"lr {cfg.lr}, {cfg.seqs_per_step} answers x {cfg.blocks_per_step} blocks per step, soft weight "
-             f"{cfg.soft_weight}, bf16 {cfg.bf16} |", ""]
+             f"{cfg.soft_weight}, bf16 {cfg.bf16}{extras} |", ""]
     if rows:
         lines += ["Offline walk at T=0 (held-out answers by the target; `flashdraft eval --offline`):", "",
                   "| set | answers | DFlash τ | P(accept) k=1 | prompt lookup τ | hybrid τ |",
@@ -59,7 +68,7 @@ def model_card(target, drafter_dir: Path, cfg, result: dict, data: dict, rows: l
                   f"{r['ngram_tau']:.3f} | {r['hybrid_tau']:.3f} |" for r in rows]
     else:
         lines += ["No held-out answers were found for the walk: make them with "
-                  f"`flashdraft eval --offline -m {cfg.target} --dataset humaneval,sharegpt-heldout --limit 60`."]
+                  f"`flashdraft eval --offline{m_flag} --dataset humaneval,sharegpt-heldout --limit 60`."]
     return "\n".join(lines) + "\n"
 
 
