@@ -328,6 +328,54 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
             assert out[i] == base[i % 2], (spec, i)
 
 
+#: the committed DFlash2 checkpoint (top-16 candidate selector), trained on this target
+D2_CHECKPOINT = os.path.join(os.path.dirname(__file__), os.pardir, "checkpoints", "smollm2-d2-joint")
+
+
+@pytest.mark.real
+def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
+    """A trained DFlash2 drafter (top-16 candidates, the selector's path verified as one
+    block) on the real model: fixed depth, the profit controller with the confidence gate
+    (`--spec-draft-p-min 0.3`), the hybrid, and 2 sequences stepped together are all
+    token-identical to plain decoding, and each had drafts the target accepted."""
+    from flashdraft import batch
+    from flashdraft.adaptive import make_controller
+    from flashdraft.engine import EngineConfig, load_drafter
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+
+    t = real_llama
+    prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    base = [generate_text(SpeculativeGenerator(t, ctx_size=1024), ids, 192, SamplingParams())[1] for ids in prompts]
+    settings = [("dflash", "off", 0.0), ("dflash", "profit", 0.3), ("hybrid", "profit", 0.0)]
+    for spec, controller, p_min in settings:
+        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=D2_CHECKPOINT, p_min=p_min), t)
+        d2 = getattr(drafter, "dflash", drafter)  # the hybrid wraps a DFlash drafter
+        assert d2.model.candidate_selector is not None and d2.model.candidate_selector.top_k == 16
+        sources = getattr(drafter, "SOURCES", ())
+        gen = SpeculativeGenerator(t, drafter, ctx_size=1024, n_draft=7,
+                                   controller=make_controller(controller, 7, sources,
+                                                              getattr(drafter, "source_max_draft", None)))
+        accepted = 0
+        for ids, want in zip(prompts, base):
+            _, got, _, timings = generate_text(gen, ids, 192, SamplingParams())
+            assert got == want, (spec, controller, p_min)
+            accepted += timings.draft_n_accepted
+        assert accepted > 0, (spec, controller, p_min)
+    gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type="dflash", draft_model=D2_CHECKPOINT), t),
+                               ctx_size=1024, n_draft=7)
+    slots = batch.make_slots(gen, 2)
+    for i, slot in enumerate(slots):
+        batch.start(gen, slot, prompts[i], 192, SamplingParams())
+    out = [[] for _ in slots]
+    while any(s.seq is not None and not s.seq.done for s in slots):
+        live = [s for s in slots if s.seq is not None and not s.seq.done]
+        for s, step in zip(live, batch.step_together(t, [s.seq for s in live])):
+            assert not isinstance(step, Exception), step
+            out[s.index].extend(step.token_ids)
+    assert out == base
+
+
 def test_a_drafter_for_another_target_is_refused():
     """The shipped SmolLM2 drafter on a target of another shape (Gemma 3 270M's: hidden 640,
     vocabulary 262,144, 18 layers) is refused before anything runs, naming the mismatch."""
