@@ -328,28 +328,25 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
             assert out[i] == base[i % 2], (spec, i)
 
 
-#: the committed DFlash2 checkpoint (top-16 candidate selector), trained on this target
-D2_CHECKPOINT = os.path.join(os.path.dirname(__file__), os.pardir, "checkpoints", "smollm2-d2-joint")
-
-
 @pytest.mark.real
 def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
-    """A trained DFlash2 drafter (top-16 candidates, the selector's path verified as one
+    """The shipped DFlash2 drafter (top-16 candidates, the selector's path verified as one
     block) on the real model: fixed depth, the profit controller with the confidence gate
     (`--spec-draft-p-min 0.3`), the hybrid, and 2 sequences stepped together are all
     token-identical to plain decoding, and each had drafts the target accepted."""
     from flashdraft import batch
     from flashdraft.adaptive import make_controller
-    from flashdraft.engine import EngineConfig, load_drafter
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.sampling import SamplingParams
 
+    shipped = str(DEFAULT_DRAFTER_DIR)
     t = real_llama
     prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
     base = [generate_text(SpeculativeGenerator(t, ctx_size=1024), ids, 192, SamplingParams())[1] for ids in prompts]
     settings = [("dflash", "off", 0.0), ("dflash", "profit", 0.3), ("hybrid", "profit", 0.0)]
     for spec, controller, p_min in settings:
-        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=D2_CHECKPOINT, p_min=p_min), t)
+        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=shipped, p_min=p_min), t)
         d2 = getattr(drafter, "dflash", drafter)  # the hybrid wraps a DFlash drafter
         assert d2.model.candidate_selector is not None and d2.model.candidate_selector.top_k == 16
         sources = getattr(drafter, "SOURCES", ())
@@ -362,7 +359,7 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
             assert got == want, (spec, controller, p_min)
             accepted += timings.draft_n_accepted
         assert accepted > 0, (spec, controller, p_min)
-    gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type="dflash", draft_model=D2_CHECKPOINT), t),
+    gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type="dflash", draft_model=shipped), t),
                                ctx_size=1024, n_draft=7)
     slots = batch.make_slots(gen, 2)
     for i, slot in enumerate(slots):
