@@ -285,13 +285,30 @@ def test_real_model_verify_rows_equal_one_token_steps(real_llama):
     assert torch.equal(la, t.forward(torch.tensor([text[0]]), b)[0])
 
 
+def _decode_together(gen, prompts, n_tokens):
+    """Greedy answers to ``prompts``, one slot each, every step one batched forward
+    (the server's -np N); fails on any slot's error."""
+    from flashdraft import batch
+    from flashdraft.sampling import SamplingParams
+
+    slots = batch.make_slots(gen, len(prompts))
+    for slot, ids in zip(slots, prompts):
+        batch.start(gen, slot, ids, n_tokens, SamplingParams())
+    out = [[] for _ in slots]
+    while any(s.seq is not None and not s.seq.done for s in slots):
+        live = [s for s in slots if s.seq is not None and not s.seq.done]
+        for s, step in zip(live, batch.step_together(gen.target, [s.seq for s in live])):
+            assert not isinstance(step, Exception), step
+            out[s.index].extend(step.token_ids)
+    return out
+
+
 @pytest.mark.real
 def test_real_model_every_drafter_is_greedy_identical(real_llama):
     """7 configurations x 512 tokens (2 prompts x 256) on the llama backend: dflash, ngram,
     hybrid and an autoregressive draft model one request at a time, and dflash, ngram,
     hybrid with 4 sequences in one batch (the server's -np 4), all token-identical to the
     backend's own plain decoding."""
-    from flashdraft import batch
     from flashdraft.engine import EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.sampling import SamplingParams
@@ -315,15 +332,7 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
     # -np 4: four sequences (both prompts twice) stepped together, one llama_decode per step
     for spec in ("dflash", "ngram", "hybrid"):
         gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type=spec), t), ctx_size=1024, n_draft=7)
-        slots = batch.make_slots(gen, 4)
-        for i, slot in enumerate(slots):
-            batch.start(gen, slot, prompts[i % 2], 256, SamplingParams())
-        out = [[] for _ in slots]
-        while any(s.seq is not None and not s.seq.done for s in slots):
-            live = [s for s in slots if s.seq is not None and not s.seq.done]
-            for s, step in zip(live, batch.step_together(t, [s.seq for s in live])):
-                assert not isinstance(step, Exception), step
-                out[s.index].extend(step.token_ids)
+        out = _decode_together(gen, [prompts[i % 2] for i in range(4)], 256)
         for i in range(4):
             assert out[i] == base[i % 2], (spec, i)
 
@@ -334,7 +343,6 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
     block) on the real model: fixed depth, the profit controller with the confidence gate
     (`--spec-draft-p-min 0.3`), the hybrid, and 2 sequences stepped together are all
     token-identical to plain decoding, and each had drafts the target accepted."""
-    from flashdraft import batch
     from flashdraft.adaptive import make_controller
     from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
@@ -361,16 +369,7 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
         assert accepted > 0, (spec, controller, p_min)
     gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type="dflash", draft_model=shipped), t),
                                ctx_size=1024, n_draft=7)
-    slots = batch.make_slots(gen, 2)
-    for i, slot in enumerate(slots):
-        batch.start(gen, slot, prompts[i], 192, SamplingParams())
-    out = [[] for _ in slots]
-    while any(s.seq is not None and not s.seq.done for s in slots):
-        live = [s for s in slots if s.seq is not None and not s.seq.done]
-        for s, step in zip(live, batch.step_together(t, [s.seq for s in live])):
-            assert not isinstance(step, Exception), step
-            out[s.index].extend(step.token_ids)
-    assert out == base
+    assert _decode_together(gen, prompts, 192) == base
 
 
 def test_a_drafter_for_another_target_is_refused():
