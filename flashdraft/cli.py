@@ -43,9 +43,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "does not pay; off = always --spec-draft-n-max (default: profit)")
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
-    p.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float, default=0.0,
-                   metavar="P", help="cut each DFlash block before the first draft the drafter gives a probability "
-                                     "below P (0 = never; default: 0)")
+    add_drafter_arguments(p)
     add_suffix_arguments(p)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
@@ -59,6 +57,22 @@ BACKEND_HELP = ("engine that runs the target: llama = llama.cpp's kernels (GGUF 
                 "PyTorch reference (GPUs, --weights, compressed KV caches, training), auto = llama for a GGUF "
                 "target on the CPU when llama.cpp is installed and passes its probe, else torch; the choice "
                 "and why are printed at startup (default: auto)")
+
+
+def add_drafter_arguments(p) -> None:
+    """The drafter network's flags, shared by serve and generate/eval/bench (``p`` a parser or group)."""
+    p.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float, default=0.0,
+                   metavar="P", help="cut each DFlash block before the first draft the drafter gives a probability "
+                                     "below P (0 = never; default: 0)")
+    p.add_argument("--spec-draft-dtype", choices=("auto", "f32", "bf16"), default="auto",
+                   help="dtype the drafter network and its LM head run in: auto = bf16 on a CPU where a measured "
+                        "bf16 matmul beats f32 (AVX512-BF16/AMX), else f32; output is the target's either way "
+                        "(default: auto; the startup log says which)")
+
+
+def drafter_fields(args) -> dict:
+    """EngineConfig keyword arguments of the :func:`add_drafter_arguments` flags."""
+    return dict(p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype)
 
 
 def add_suffix_arguments(p) -> None:
@@ -122,10 +136,10 @@ def engine_config(args):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size, cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights,
-                        p_min=getattr(args, "spec_draft_p_min", 0.0),
                         device=getattr(args, "device", "auto"), backend=getattr(args, "backend", "auto"),
                         **(cache_fields(args) if hasattr(args, "cache_type_k") else {}),
-                        **(suffix_fields(args) if hasattr(args, "spec_lookup") else {}))
+                        **(suffix_fields(args) if hasattr(args, "spec_lookup") else {}),
+                        **(drafter_fields(args) if hasattr(args, "spec_draft_dtype") else {}))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

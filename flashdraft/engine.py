@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.adaptive import make_controller
-from flashdraft.device import log_device, resolve_device
+from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
 from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
@@ -88,8 +88,10 @@ class EngineConfig:
     suffix_min_prob: float = 0.1
     #: the DFlash drafter's confidence gate (``--spec-draft-p-min``; :class:`DFlashDrafter`), 0 = off
     p_min: float = 0.0
-    #: dtype of a loaded drafter network (``draft`` / ``dflash``); the target's is ``weights``
-    dtype: torch.dtype = torch.float32
+    #: ``--spec-draft-dtype``: ``auto`` | ``f32`` | ``bf16``, what a loaded drafter network
+    #: (``dflash`` / ``hybrid`` / ``draft``) runs in (:func:`flashdraft.device.resolve_draft_dtype`);
+    #: the target's is ``weights``
+    draft_dtype: str = "auto"
     #: profit by default: a drafter that loses on this machine or prompt (τ ≈ 1.1 on CPU) would
     #: otherwise make decoding slower than plain; the controller keeps it at >= plain speed
     controller: str = "profit"
@@ -121,6 +123,9 @@ class EngineConfig:
                              "0 <= --spec-suffix-min-prob <= 1")
         if not 0 <= self.p_min <= 1:
             raise ValueError(f"--spec-draft-p-min must be in [0, 1], got {self.p_min}")
+        if self.draft_dtype != "auto" and self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"unknown --spec-draft-dtype {self.draft_dtype!r}; choose from auto, "
+                             f"{', '.join(DRAFT_DTYPES)}")
         make_controller(self.controller, 1)
         self.kv_spec()
         self.kv_spec(draft=True)
@@ -139,6 +144,15 @@ class EngineConfig:
         if self.kv_tail_tokens and self.n_draft >= ROLLBACK_MARGIN:
             raise ValueError(f"--kv-tail-tokens keeps exact copies for rollbacks of < {ROLLBACK_MARGIN} positions: "
                              f"use --spec-draft-n-max < {ROLLBACK_MARGIN}")
+
+    def drafter_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype a drafter network loaded on ``device`` runs in (``--spec-draft-dtype``,
+        ``auto`` resolved by measurement: :func:`~flashdraft.device.resolve_draft_dtype`); logged."""
+        dtype = resolve_draft_dtype(self.draft_dtype, device)
+        why = " (auto: a bf16 matmul beats f32 on this CPU)" if self.draft_dtype == "auto" and dtype == torch.bfloat16 \
+            else " (auto)" if self.draft_dtype == "auto" else ""
+        log.info("drafter runs in %s%s", str(dtype).removeprefix("torch."), why)
+        return dtype
 
     def kv_spec(self, draft: bool = False) -> KVCacheSpec:
         """The target's (or with ``draft`` the drafter's) cache types as a :class:`KVCacheSpec`.
@@ -203,9 +217,9 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
         if getattr(target, "model", None) is None:
             raise ValueError("-md random builds a drafter from the target's torch config: use --backend torch")
-        model = random_dflash_model(target.model, num_layers=layers).to(target.device)
+        model = random_dflash_model(target.model, num_layers=layers).to(target.device, cfg.drafter_dtype(target.device))
     else:
-        model = load_dflash_model(path, cfg.dtype, target.device)
+        model = load_dflash_model(path, cfg.drafter_dtype(target.device), target.device)
     check_drafter_fits(model.config, target, path)
     try:
         drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv,
@@ -249,18 +263,18 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
             raise ValueError(f"-md {path}: self:N takes N = 1..{target.num_layers} (the target's first N layers)")
         torch_model = target.model
         if torch_model is None:  # llama backend: the same GGUF, read by transformers
-            torch_model = load_hf_model(target.path, cfg.dtype, target.device)[0]
+            torch_model = load_hf_model(target.path, cfg.drafter_dtype(target.device), target.device)[0]
         model = ar_from_target(torch_model, int(n), target_name=target.name).to(target.device)
         return ARDrafter(model, embed, target.vocab_size)
     if is_ar_drafter(path):
-        model = load_ar_drafter(path, cfg.dtype, target.device)
+        model = load_ar_drafter(path, cfg.drafter_dtype(target.device), target.device)
         # the same refusal as a DFlash drafter's: hidden size, vocabulary, target layer count
         check_drafter_fits({**model.config, "num_target_layers": model.config["ar_drafter"].get("num_target_layers")},
                            target, path)
         return ARDrafter(model, embed, target.vocab_size)
     if path == "target" and getattr(target, "model", None) is None:
         raise ValueError("-md target drafts with the target's torch model: use --backend torch, or -md self:N")
-    model = target.model if path == "target" else load_hf_model(path, cfg.dtype, target.device)[0]
+    model = target.model if path == "target" else load_hf_model(path, cfg.drafter_dtype(target.device), target.device)[0]
     return DraftModelDrafter(model, target.vocab_size)
 
 

@@ -11,7 +11,7 @@ Configurations, each timed for ``--seconds`` of wall time on the same sequences,
   with bf16 autocast and in float32;
 - ``blocks, stored features``: :meth:`DFlashDraftModel.forward_blocks` (context and own-block
   attention separately), memory-mapped stored features and soft labels, 128 anchors,
-  autocast only where it pays (:func:`flashdraft.train.loop.bf16_pays`).
+  autocast only where it pays (:func:`flashdraft.device.bf16_pays`).
 
 Prints a Markdown table (rows/s = trained block positions per second).
 """
@@ -31,7 +31,7 @@ from flashdraft.drafters.dflash import load_dflash_model
 from flashdraft.engine import DEFAULT_DRAFTER_DIR
 from flashdraft.target import Target
 from flashdraft.train.features import FeatureStore
-from flashdraft.train.loop import bf16_pays
+from flashdraft.device import bf16_pays
 from flashdraft.train.shards import read_shards
 from flashdraft.train.objective import (IGNORE, block_attention_mask, build_blocks, default_gamma, dflash_loss,
                                         loss_weights, sample_anchors)

@@ -342,7 +342,8 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
     """The shipped DFlash2 drafter (top-16 candidates, the selector's path verified as one
     block) on the real model: fixed depth, the profit controller with the confidence gate
     (`--spec-draft-p-min 0.3`), the hybrid, and 2 sequences stepped together are all
-    token-identical to plain decoding, and each had drafts the target accepted."""
+    token-identical to plain decoding, and each had drafts the target accepted; the drafter
+    in float32 and in bf16 (`--spec-draft-dtype`) alike."""
     from flashdraft.adaptive import make_controller
     from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
@@ -352,11 +353,14 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
     t = real_llama
     prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
     base = [generate_text(SpeculativeGenerator(t, ctx_size=1024), ids, 192, SamplingParams())[1] for ids in prompts]
-    settings = [("dflash", "off", 0.0), ("dflash", "profit", 0.3), ("hybrid", "profit", 0.0)]
-    for spec, controller, p_min in settings:
-        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=shipped, p_min=p_min), t)
+    settings = [("dflash", "off", 0.0, "f32"), ("dflash", "off", 0.0, "bf16"), ("dflash", "profit", 0.3, "auto"),
+                ("hybrid", "profit", 0.0, "auto")]
+    for spec, controller, p_min, dtype in settings:
+        drafter = load_drafter(EngineConfig(spec_type=spec, draft_model=shipped, p_min=p_min, draft_dtype=dtype), t)
         d2 = getattr(drafter, "dflash", drafter)  # the hybrid wraps a DFlash drafter
         assert d2.model.candidate_selector is not None and d2.model.candidate_selector.top_k == 16
+        if dtype != "auto":
+            assert d2.model.fc.weight.dtype == d2.head_weight.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
         sources = getattr(drafter, "SOURCES", ())
         gen = SpeculativeGenerator(t, drafter, ctx_size=1024, n_draft=7,
                                    controller=make_controller(controller, 7, sources,
@@ -364,9 +368,9 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
         accepted = 0
         for ids, want in zip(prompts, base):
             _, got, _, timings = generate_text(gen, ids, 192, SamplingParams())
-            assert got == want, (spec, controller, p_min)
+            assert got == want, (spec, controller, p_min, dtype)
             accepted += timings.draft_n_accepted
-        assert accepted > 0, (spec, controller, p_min)
+        assert accepted > 0, (spec, controller, p_min, dtype)
     gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type="dflash", draft_model=shipped), t),
                                ctx_size=1024, n_draft=7)
     assert _decode_together(gen, prompts, 192) == base

@@ -113,7 +113,7 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                        suffix_factor=base.suffix_factor, suffix_min_prob=base.suffix_min_prob,
                        n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
-                       ngram_min=base.ngram_min, dtype=base.dtype, controller="profit" if adaptive else "off",
+                       ngram_min=base.ngram_min, draft_dtype=base.draft_dtype, controller="profit" if adaptive else "off",
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
                        kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)

@@ -158,7 +158,8 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
         from flashdraft.bench.hf_dflash import HFDFlashUnsupported, draft_vocab_note, hf_dflash_assistant
         if dflash_path is None:
             return Unavailable(name, "peer", "no DFlash drafter for this target: pass -md PATH")
-        cfg = EngineConfig(model=base.model, spec_type="dflash", draft_model=dflash_path, dtype=base.dtype)
+        # transformers runs the target in float32 and the assistant beside it: the same dtype
+        cfg = EngineConfig(model=base.model, spec_type="dflash", draft_model=dflash_path, draft_dtype="f32")
         drafter = load_drafter(cfg, target).model
         try:
             assistant = hf_dflash_assistant(drafter)
@@ -171,7 +172,7 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
             return Unavailable(name, "peer", "no draft model: pass --draft-model PATH")
         if draft_model == "target":
             return Unavailable(name, "peer", "--draft-model target is a plumbing test of our engine only")
-        assistant = load_hf_model(draft_model, base.dtype)[0]
+        assistant = load_hf_model(draft_model, torch.float32)[0]
         return HFContender(name, target, {"assistant_model": assistant}, speculative=True)
     raise ValueError(f"not a transformers configuration: {name}")
 

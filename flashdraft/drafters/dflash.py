@@ -502,9 +502,11 @@ class DFlashDrafter(Drafter):
                              "move the drafter to the target's device")
         self.model = model.eval().requires_grad_(False)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
-        # a reduced draft vocabulary projects onto its rows of the LM head only
+        # a reduced draft vocabulary projects onto its rows of the LM head only; the rows run in
+        # the drafter's dtype (bf16 where it pays: the head is most of a full-vocabulary draft's cost)
         self.d2t = model.d2t
-        self.head_weight = lm_head.weight if model.d2t is None else lm_head.weight[model.d2t].contiguous()
+        head = lm_head.weight if model.d2t is None else lm_head.weight[model.d2t]
+        self.head_weight = head.to(model.fc.weight.dtype).contiguous()
         self.vocab_size = lm_head.weight.shape[0]
         self.feature_layer_ids = model.target_layer_ids
         self.max_draft = model.block_size - 1

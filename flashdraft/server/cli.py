@@ -27,7 +27,7 @@ REASONING = ("on", "off", "auto")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``flashdraft serve``'s flags (llama-server names) to ``parser``."""
-    from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP, add_suffix_arguments
+    from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP, add_drafter_arguments, add_suffix_arguments
     from flashdraft.device import add_device_argument
     from flashdraft.engine import SPEC_TYPES
 
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "does not pay; off = always --spec-draft-n-max (default: profit)")
     m.add_argument("--spec-dflash-cross-ctx", type=_positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
+    add_drafter_arguments(m)
     add_suffix_arguments(m)
     m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                    help="context size in tokens, prompt + output, split across the -np slots (default: 4096)")
@@ -213,7 +214,7 @@ def _csv(text: str) -> list[str]:
 
 def engine_config_from_args(args: argparse.Namespace):
     """:class:`EngineConfig` from parsed flags."""
-    from flashdraft.cli import cache_fields, suffix_fields
+    from flashdraft.cli import cache_fields, drafter_fields, suffix_fields
     from flashdraft.engine import EngineConfig
 
     from flashdraft.engine import resolve_spec_type
@@ -223,7 +224,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         draft_model=args.spec_draft_model,
                         n_draft=args.spec_draft_n_max, ctx_size=max(1, args.ctx_size // args.parallel), cross_ctx=args.spec_dflash_cross_ctx,
                         controller=args.spec_dm_controller, weights=args.weights, device=args.device,
-                        backend=args.backend, n_parallel=args.parallel, **cache_fields(args), **suffix_fields(args))
+                        backend=args.backend, n_parallel=args.parallel, **cache_fields(args), **suffix_fields(args),
+                        **drafter_fields(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,7 +56,6 @@ IGNORED = """
 --ctx-size-draft -cd : v
 --spec-draft-n-min --draft-min --draft-n-min : v
 --spec-draft-p-split --draft-p-split : v
---spec-draft-p-min --draft-p-min : v
 --spec-draft-threads -td --threads-draft : v
 --spec-draft-threads-batch -tbd --threads-batch-draft : v
 --spec-draft-cpu-mask -Cd --cpu-mask-draft : v

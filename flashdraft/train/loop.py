@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flashdraft.device import autocast_device_type, resolve_device
+from flashdraft.device import autocast_device_type, bf16_pays, resolve_device
 from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_target_layer_ids,
                                         drafter_config_for_target, init_from_target)
 from flashdraft.generate import SpeculativeGenerator, generate_text
@@ -161,27 +161,6 @@ def draft_vocabulary(seqs, size: int, always: set[int], extra_texts=(), tokenize
     room = size - len(always - set(top[:size]))
     vocab = sorted(set(top[:room]) | always)
     return torch.tensor(vocab, dtype=torch.long)
-
-
-def bf16_pays(rows: int = 1024, inner: int = 576, cols: int = 4096) -> bool:
-    """True when a bf16 matmul of training size beats float32 on this CPU (measured, ~0.5 s).
-
-    CPUs with AVX512-BF16 or AMX run bf16 2-3x faster than float32; AVX2-only CPUs emulate
-    it and run it several times *slower* (seen: 8x), so the choice is measured, not assumed.
-    """
-    a, w = torch.randn(rows, inner), torch.randn(cols, inner)
-
-    def best(dtype) -> float:
-        x, y = a.to(dtype), w.to(dtype)
-        x @ y.t()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            x @ y.t()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return best(torch.bfloat16) < best(torch.float32)
 
 
 def bf16_default(device: torch.device) -> bool:
