@@ -346,6 +346,21 @@ def load_engine_target(cfg: EngineConfig):
                        n_seq=cfg.n_parallel, kv=kv)
 
 
+def drafter_controller(kind: str, drafter: Drafter, n_draft: int):
+    """The depth controller ``kind`` (``--spec-dm-controller``: ``profit`` | ``off``) for
+    ``drafter`` drafting at most ``n_draft`` tokens (and at most the drafter's own
+    ``max_draft``); a mixed-source drafter (the hybrid) gets one controller per source.
+    None when nothing is drafted (plain decoding or ``n_draft`` 0).
+
+    Raises:
+        ValueError: an unknown controller.
+    """
+    if isinstance(drafter, NoDrafter) or n_draft <= 0:
+        return None
+    n_max = n_draft if drafter.max_draft is None else min(n_draft, drafter.max_draft)
+    return make_controller(kind, n_max, getattr(drafter, "SOURCES", ()), getattr(drafter, "source_max_draft", None))
+
+
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
     """Load the target (unless given) and the drafter; returns a ready generator.
 
@@ -367,11 +382,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     if getattr(target, "backend", "torch") == "llama":  # its context holds K/V of the types it was made with
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
-    controller = None
-    if not isinstance(drafter, NoDrafter) and cfg.n_draft > 0:
-        n_max = cfg.n_draft if drafter.max_draft is None else min(cfg.n_draft, drafter.max_draft)
-        sources = getattr(drafter, "SOURCES", ())  # a mixed-source drafter: one controller per source
-        controller = make_controller(cfg.controller, n_max, sources, getattr(drafter, "source_max_draft", None))
+    controller = drafter_controller(cfg.controller, drafter, cfg.n_draft)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     if hasattr(target, "set_step_threads"):  # llama: plain decoding steps on every thread, drafting on one
         target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.adaptive import make_controller
 from flashdraft.drafters.dflash import DFlashDrafter, confident_prefix, random_dflash_model
 from flashdraft.drafters.hybrid import HybridDrafter
+from flashdraft.engine import drafter_controller
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from tiny import tiny_target
@@ -67,7 +67,7 @@ def test_gated_greedy_output_equals_plain_under_the_controller(hybrid):
     base = generate_text(SpeculativeGenerator(target), prompt, 60, GREEDY, ignore_eos=True)[1]
     d = drafter(target, 0.05)
     d = HybridDrafter(d) if hybrid else d
-    ctl = make_controller("profit", 7, getattr(d, "SOURCES", ()), getattr(d, "source_max_draft", None))
+    ctl = drafter_controller("profit", d, 7)
     _, ids, _, t = generate_text(SpeculativeGenerator(target, d, n_draft=7, controller=ctl), prompt, 60, GREEDY,
                                  ignore_eos=True)
     assert ids == base
@@ -86,7 +86,7 @@ def test_gated_greedy_output_equals_plain_on_the_real_model():
     dflash = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").exists() else "random"
     for spec in ("dflash", "hybrid"):
         d = load_drafter(EngineConfig(spec_type=spec, draft_model=dflash, p_min=0.5), target)
-        ctl = make_controller("profit", 7, getattr(d, "SOURCES", ()), getattr(d, "source_max_draft", None))
+        ctl = drafter_controller("profit", d, 7)
         for controller in (None, ctl):
             out = generate_text(SpeculativeGenerator(target, d, n_draft=7, controller=controller), ids, 48, GREEDY)
             assert out[1] == base, (spec, controller)

@@ -249,6 +249,20 @@ def real_llama():
 
 REAL_PROMPTS = ["Write a Python class for a stack with push, pop and peek, and explain each method.",
                 "Tell me a short story about a lighthouse keeper and a storm."]
+#: tokens of the plain-decoding baseline the real-model drafting tests compare against
+REAL_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def real_plain(real_llama):
+    """``(prompt ids, plain greedy answers of REAL_TOKENS tokens)`` of :data:`REAL_PROMPTS` on
+    the llama backend, decoded once for every drafting test (a shorter greedy answer is a prefix)."""
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+
+    prompts = [real_llama.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    plain = SpeculativeGenerator(real_llama, ctx_size=1024)
+    return prompts, [generate_text(plain, ids, REAL_TOKENS, SamplingParams())[1] for ids in prompts]
 
 
 @pytest.mark.real
@@ -304,7 +318,7 @@ def _decode_together(gen, prompts, n_tokens):
 
 
 @pytest.mark.real
-def test_real_model_every_drafter_is_greedy_identical(real_llama):
+def test_real_model_every_drafter_is_greedy_identical(real_llama, real_plain):
     """7 configurations x 512 tokens (2 prompts x 256) on the llama backend: dflash, ngram,
     hybrid and an autoregressive draft model one request at a time, and dflash, ngram,
     hybrid with 4 sequences in one batch (the server's -np 4), all token-identical to the
@@ -315,9 +329,7 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
     from flashdraft.target import default_model_path
 
     t = real_llama
-    prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
-    plain = SpeculativeGenerator(t, ctx_size=1024)
-    base = [generate_text(plain, ids, 256, SamplingParams())[1] for ids in prompts]
+    prompts, base = real_plain
     assert all(len(b) > 100 for b in base)
     configs = [("dflash", None), ("ngram", None), ("hybrid", None), ("draft", str(default_model_path()))]
     for spec, md in configs:
@@ -325,34 +337,33 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama):
                                    ctx_size=1024, n_draft=3 if spec == "draft" else 7)
         drafted = 0
         for ids, want in zip(prompts, base):
-            _, got, _, timings = generate_text(gen, ids, 256, SamplingParams())
+            _, got, _, timings = generate_text(gen, ids, REAL_TOKENS, SamplingParams())
             assert got == want, spec
             drafted += timings.draft_n
         assert drafted > 0, spec
     # -np 4: four sequences (both prompts twice) stepped together, one llama_decode per step
     for spec in ("dflash", "ngram", "hybrid"):
         gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type=spec), t), ctx_size=1024, n_draft=7)
-        out = _decode_together(gen, [prompts[i % 2] for i in range(4)], 256)
+        out = _decode_together(gen, [prompts[i % 2] for i in range(4)], REAL_TOKENS)
         for i in range(4):
             assert out[i] == base[i % 2], (spec, i)
 
 
 @pytest.mark.real
-def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
+def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama, real_plain):
     """The shipped DFlash2 drafter (top-16 candidates, the selector's path verified as one
     block) on the real model: fixed depth, the profit controller with the confidence gate
     (`--spec-draft-p-min 0.3`), the hybrid, and 2 sequences stepped together are all
     token-identical to plain decoding, and each had drafts the target accepted; the drafter
     in float32 and in bf16 (`--spec-draft-dtype`) alike."""
-    from flashdraft.adaptive import make_controller
-    from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, drafter_controller, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.sampling import SamplingParams
 
     shipped = str(DEFAULT_DRAFTER_DIR)
     t = real_llama
-    prompts = [t.chat_prompt_ids([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
-    base = [generate_text(SpeculativeGenerator(t, ctx_size=1024), ids, 192, SamplingParams())[1] for ids in prompts]
+    prompts, full = real_plain
+    base = [b[:192] for b in full]  # greedy: the 192-token answer is the 256-token one's prefix
     settings = [("dflash", "off", 0.0, "f32"), ("dflash", "off", 0.0, "bf16"), ("dflash", "profit", 0.3, "auto"),
                 ("hybrid", "profit", 0.0, "auto")]
     for spec, controller, p_min, dtype in settings:
@@ -361,10 +372,8 @@ def test_real_model_dflash2_path_selection_is_greedy_identical(real_llama):
         assert d2.model.candidate_selector is not None and d2.model.candidate_selector.top_k == 16
         if dtype != "auto":
             assert d2.model.fc.weight.dtype == d2.head_weight.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        sources = getattr(drafter, "SOURCES", ())
         gen = SpeculativeGenerator(t, drafter, ctx_size=1024, n_draft=7,
-                                   controller=make_controller(controller, 7, sources,
-                                                              getattr(drafter, "source_max_draft", None)))
+                                   controller=drafter_controller(controller, drafter, 7))
         accepted = 0
         for ids, want in zip(prompts, base):
             _, got, _, timings = generate_text(gen, ids, 192, SamplingParams())

@@ -431,7 +431,8 @@ def skipped_on_constrained(contenders: list[Contender], prompts: list[BenchPromp
 
 
 def _settings(args, sets, temperatures, prompts) -> dict:
-    from flashdraft.cli import cache_fields
+    from flashdraft.cli import cache_fields, drafter_fields
+    from flashdraft.device import resolve_device, resolve_draft_dtype
 
     return {
         "mode": "url" if args.url else "local",
@@ -443,7 +444,9 @@ def _settings(args, sets, temperatures, prompts) -> dict:
         "n_draft": args.spec_draft_n_max, "ctx_size": args.ctx_size, "cross_ctx": args.spec_dflash_cross_ctx,
         "threads": getattr(args, "threads_used", args.threads), "threads_flag": args.threads,
         "urls": list(args.url), "n_prompts": len(prompts),
-        "weights": args.weights, **cache_fields(args),
+        "weights": args.weights, **cache_fields(args), **drafter_fields(args),
+        "draft_dtype_used": None if args.url else
+        str(resolve_draft_dtype(args.spec_draft_dtype, resolve_device(args.device))).removeprefix("torch."),
     }
 
 

@@ -44,7 +44,7 @@ def model_card(target, drafter_dir: Path, cfg, result: dict, data: dict, rows: l
     extras = ""
     if cfg.selector_top_k:
         extras += (f", DFlash2 path selection top-{cfg.selector_top_k} (selector rank {cfg.selector_rank}, "
-                   f"lr {cfg.selector_lr if cfg.selector_lr is not None else cfg.lr})")
+                   f"lr {cfg.selector_peak_lr})")
     if cfg.mask_after_miss:
         extras += ", loss masked after the first miss (GRIFFIN)"
     lines = [f"# DFlash drafter for {target.name}", "",

@@ -127,6 +127,11 @@ class TrainConfig:
     #: learns at ~10x the rate that keeps a trained drafter body stable (docs/training.md)
     selector_lr: float | None = None
 
+    @property
+    def selector_peak_lr(self) -> float:
+        """The DFlash2 selector's peak learning rate: ``selector_lr``, else ``lr``."""
+        return self.lr if self.selector_lr is None else self.selector_lr
+
 
 def to_dflash2(model: DFlashDraftModel, top_k: int, rank: int = 32) -> DFlashDraftModel:
     """A DFlash2 drafter computing what ``model`` computes: its weights, identity dynamic
@@ -305,7 +310,7 @@ class Trainer:
         sel_ids = {id(p) for p in sel.parameters()} if sel is not None else set()
         body = [p for p in self.drafter.parameters() if p.requires_grad and id(p) not in sel_ids]
         picked = [p for p in self.drafter.parameters() if p.requires_grad and id(p) in sel_ids]
-        scale = (self.cfg.selector_lr or self.cfg.lr) / self.cfg.lr
+        scale = self.cfg.selector_peak_lr / self.cfg.lr
         return [g for g in ({"params": body, "lr_scale": 1.0}, {"params": picked, "lr_scale": scale}) if g["params"]]
 
     # -- data -------------------------------------------------------------------------
