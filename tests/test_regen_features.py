@@ -167,3 +167,33 @@ def test_cpu_hour_budget_stops_training_and_drives_the_schedule(tmp_path, target
     assert trainer.cpu_seconds >= 1.5
     # the cosine ran over CPU time: the last step's learning rate is near the end of the decay
     assert trainer.opt.param_groups[0]["lr"] < 0.2 * cfg.lr
+
+
+def test_sigterm_saves_and_leaves_without_the_held_out_walk(tmp_path, target, monkeypatch):
+    """SIGTERM mid-run: the loop stops after its step, saves a checkpoint to resume from and
+    returns at once (``stopped``), without the final held-out evaluation (it takes minutes)."""
+    import os
+    import signal
+
+    import flashdraft.train.loop as loop
+
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS, target=target, max_new_tokens=16, batch_size=4, layer_ids=[0, 1, 2, 3],
+                      progress=False)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 3],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=1_000, draft_vocab=0,
+                      mask_token_id=63, eval_minutes=30, bf16=False)
+    trainer = Trainer(cfg, target=target)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: pytest.fail("evaluated after SIGTERM"))
+    real = loop.checkpoint_and_eval
+
+    def term_at_step_3(tr, *a):
+        if tr.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(tr, *a)
+
+    monkeypatch.setattr(loop, "checkpoint_and_eval", term_at_step_3)
+    result = trainer.train()
+    assert result["stopped"] and result["step"] == 3
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    assert Trainer(cfg, target=target).step == 3  # the same command resumes there

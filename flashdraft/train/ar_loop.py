@@ -260,7 +260,7 @@ class ARTrainer:
         result = self._log_eval(log_file) if cfg.eval_minutes and not stop["flag"] else {}
         log_file.close()
         return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "cpu_hours": round(self.cpu_seconds / 3600, 4), **result}
+                "cpu_hours": round(self.cpu_seconds / 3600, 4), "stopped": stop["flag"], **result}
 
     def _log_eval(self, log_file) -> dict:
         """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""

@@ -174,10 +174,14 @@ def run(args) -> int:
         return 0
     trainer = Trainer(cfg, target=target)
     result = trainer.train()
+    print(json.dumps(result))
+    if result.get("stopped"):  # SIGTERM: leave at once; the card's walk takes minutes
+        print(f"stopped: checkpoint saved in {out}; run the same command to resume (the model card is "
+              "written when a run ends)")
+        return 0
     from flashdraft.train.card import write_model_card
 
     card = write_model_card(trainer, result)
-    print(json.dumps(result))
     if card is not None:
         print(f"model card: {card}")
     model = f"-m {args.target} " if args.target else ""

@@ -514,9 +514,10 @@ class Trainer:
             bar.close()
             self.save()
             signal.signal(signal.SIGTERM, old)
-        result = self._log_eval(log_file) if cfg.eval_minutes else {}
+        # a stop on SIGTERM saves and leaves at once: the held-out walk takes minutes
+        result = self._log_eval(log_file) if cfg.eval_minutes and not stop["flag"] else {}
         log_file.close()
-        return {"step": self.step, "tokens_seen": self.tokens_seen, **result}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "stopped": stop["flag"], **result}
 
     def _log_eval(self, log_file) -> dict:
         """Evaluate, log, and keep the best drafter so far in ``OUT/drafter-best``."""
