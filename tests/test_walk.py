@@ -68,17 +68,19 @@ def briefly_trained_drafter(target, answers, block_size: int, steps: int):
     return model
 
 
-@pytest.mark.parametrize("n_draft,seeded", [(3, False), (7, False), (5, True)])
-def test_walk_equals_online_dflash(target, n_draft, seeded):
+@pytest.mark.parametrize("n_draft,seeded,dtype", [(3, False, torch.float32), (7, False, torch.float32),
+                                                  (5, True, torch.float32), (5, False, torch.bfloat16)])
+def test_walk_equals_online_dflash(target, n_draft, seeded, dtype):
     probe = random_dflash_model(target.model, num_layers=1, block_size=n_draft + 1, mask_token_id=63)
     layers = probe.target_layer_ids
     answers = [(sid, ids, n, target_features(target, ids, layers)) for sid, ids, n, _ in baseline_answers(target)]
     model = briefly_trained_drafter(target, answers, n_draft + 1, steps=30)
     model.ngram_seeded = seeded
+    model = model.to(dtype)  # --spec-draft-dtype: the drafter and its head rows in bf16 online and in the walk
     drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head)
     want = _online_ids(SpeculativeGenerator(target, drafter, n_draft=n_draft))
     assert 0 < want["draft_n_accepted"] < want["draft_n"]  # neither trivial case
-    head = target.lm_head.weight
+    head = target.lm_head.weight.to(dtype)
 
     def proposer(ids, n_prompt, feats):
         return DFlashProposals(model, target.embed_tokens.weight, head, None, feats, ids, n_prompt)

@@ -399,7 +399,7 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
     if dflash_model is not None:
         model = dflash_model.eval()
         head = target.lm_head.weight.detach()
-        head = head if model.d2t is None else head[model.d2t].contiguous()
+        head = (head if model.d2t is None else head[model.d2t]).to(model.fc.weight.dtype).contiguous()
         emb = target.embed_tokens.weight.detach()
 
         tables: dict[int, DFlashProposals] = {}  # per answer, shared by the dflash and hybrid walks
@@ -530,7 +530,9 @@ def run_offline(args) -> int:
                                  target)
         model = None
     else:
-        model = load_dflash_model(drafter_path) if drafter_path else None
+        # the dtype serving would run it in (--spec-draft-dtype), so the walk sees the same drafts
+        dtype = EngineConfig(draft_dtype=getattr(args, "spec_draft_dtype", "auto")).drafter_dtype(target.device)
+        model = load_dflash_model(drafter_path, dtype) if drafter_path else None
     depth = model.block_size - 1 if model else (7 if ar else 15)
     n_draft = (args.block_size - 1) if args.block_size else depth
     data_dirs = args.bigram_data or default_training_dirs(target)
