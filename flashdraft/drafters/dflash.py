@@ -463,6 +463,14 @@ def confident_prefix(p: torch.Tensor, p_min: float) -> int:
     return int(low[0, 0]) if low.numel() else p.shape[0]
 
 
+def draft_head_rows(head_weight: torch.Tensor, model: DFlashDraftModel) -> torch.Tensor:
+    """The rows ``[V_d, H]`` of the target's LM head ``head_weight [V, H]`` that ``model``
+    drafts over (all of them without a reduced draft vocabulary), in the drafter's dtype: bf16
+    where it pays, since the head is most of a full-vocabulary draft's cost."""
+    head = head_weight if model.d2t is None else head_weight[model.d2t]
+    return head.to(model.fc.weight.dtype).contiguous()
+
+
 class DFlashDrafter(Drafter):
     """Runs a :class:`DFlashDraftModel` against a target.
 
@@ -502,11 +510,8 @@ class DFlashDrafter(Drafter):
                              "move the drafter to the target's device")
         self.model = model.eval().requires_grad_(False)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
-        # a reduced draft vocabulary projects onto its rows of the LM head only; the rows run in
-        # the drafter's dtype (bf16 where it pays: the head is most of a full-vocabulary draft's cost)
         self.d2t = model.d2t
-        head = lm_head.weight if model.d2t is None else lm_head.weight[model.d2t]
-        self.head_weight = head.to(model.fc.weight.dtype).contiguous()
+        self.head_weight = draft_head_rows(lm_head.weight, model)
         self.vocab_size = lm_head.weight.shape[0]
         self.feature_layer_ids = model.target_layer_ids
         self.max_draft = model.block_size - 1

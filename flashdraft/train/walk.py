@@ -384,8 +384,9 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
     ``suffix`` drafts from the answer's own prompt and answer so far, ``suffix (+ past answers)``
     also from the answers walked before it (:class:`SuffixHistory`, the server's default bound).
     """
-    from flashdraft.drafters.suffix import DEFAULT_CACHE
+    from flashdraft.drafters.dflash import draft_head_rows
     from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.drafters.suffix import DEFAULT_CACHE
 
     layer_ids = dflash_model.target_layer_ids if dflash_model is not None else []
     if ar_drafter is not None and ar_drafter.feature_layer_ids:
@@ -398,8 +399,7 @@ def offline_eval(target, dflash_model, answers_dir: str | Path, n_draft: int, ma
                                          progress, "draft (AR)")
     if dflash_model is not None:
         model = dflash_model.eval()
-        head = target.lm_head.weight.detach()
-        head = (head if model.d2t is None else head[model.d2t]).to(model.fc.weight.dtype).contiguous()
+        head = draft_head_rows(target.lm_head.weight.detach(), model)
         emb = target.embed_tokens.weight.detach()
 
         tables: dict[int, DFlashProposals] = {}  # per answer, shared by the dflash and hybrid walks
