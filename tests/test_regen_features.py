@@ -197,3 +197,53 @@ def test_sigterm_saves_and_leaves_without_the_held_out_walk(tmp_path, target, mo
     assert result["stopped"] and result["step"] == 3
     assert (tmp_path / "run" / "checkpoint.pt").exists()
     assert Trainer(cfg, target=target).step == 3  # the same command resumes there
+
+
+def test_build_features_cli_never_regenerates(tmp_path, target, monkeypatch):
+    """`flashdraft train --build-features` fills in features for what DATA holds and exits; with
+    the default --prompts it used to regenerate (and append answers to DATA) first."""
+    import flashdraft.train.regen as regen
+    from flashdraft.cli import main
+    from flashdraft.target import Target
+
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS[:3], target=target, max_new_tokens=8, batch_size=2, layer_ids=(),
+                      progress=False)
+    monkeypatch.setattr(regen, "regenerate_packed", lambda *a, **k: pytest.fail("regenerated"))
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: target))
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), "--build-features"]) == 0
+    assert len(FeatureStore(data)) == 3
+    target.set_feature_layers(None)
+
+
+@pytest.mark.parametrize("gamma", [None, 1.5])
+def test_loss_gamma_reaches_the_loss(tmp_path, target, monkeypatch, gamma):
+    """--loss-gamma sets the per-position decay the loss uses; unset, the paper's default."""
+    import flashdraft.train.loop as loop
+    from flashdraft.train.objective import default_gamma
+
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS[:4], target=target, max_new_tokens=16, batch_size=4, layer_ids=[0, 1, 2, 3],
+                      progress=False)
+    seen = []
+    real = loop.dflash_loss
+
+    def spy(drafter, feats, ids, anchors, embed, head, t2d, g, *a, **k):
+        seen.append(g)
+        return real(drafter, feats, ids, anchors, embed, head, t2d, g, *a, **k)
+
+    monkeypatch.setattr(loop, "dflash_loss", spy)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 3],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=2, draft_vocab=0,
+                      mask_token_id=63, eval_minutes=0, bf16=False, loss_gamma=gamma)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: {})
+    Trainer(cfg, target=target).train()
+    assert seen and set(seen) == {gamma or default_gamma(4)}
+
+
+def test_loss_gamma_must_be_positive(capsys):
+    from flashdraft.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", "x", "--loss-gamma", "0"])
+    assert e.value.code == 2 and "--loss-gamma: must be > 0" in capsys.readouterr().err

@@ -47,6 +47,8 @@ def model_card(target, drafter_dir: Path, cfg, result: dict, data: dict, rows: l
                    f"lr {cfg.selector_peak_lr})")
     if cfg.mask_after_miss:
         extras += ", loss masked after the first miss (GRIFFIN)"
+    if cfg.loss_gamma:
+        extras += f", loss decay gamma {cfg.loss_gamma}"
     lines = [f"# DFlash drafter for {target.name}", "",
              f"A block-diffusion drafter (DFlash) trained by `flashdraft train` for **{target.name}** "
              f"({target.num_layers} layers, hidden {target.hidden_size}, vocabulary {target.vocab_size}).", "",

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-seeded", action="store_true",
                    help="train an n-gram-seeded drafter: block mask positions start as the prompt-lookup "
                         "continuation of the anchor (dflash_config.ngram_seeded)")
+    p.add_argument("--loss-gamma", type=_positive_float, default=None,
+                   help="decay of the per-position loss weight exp(-(k-1)/gamma); smaller weights block "
+                        "position 1 more (default: the paper's, 4 for block size 8)")
     p.add_argument("--mask-after-miss", action="store_true",
                    help="GRIFFIN-style loss mask: a block position counts only while the drafter is right at "
                         "every position before it (decoding never reaches the others)")
@@ -93,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_backend_argument(p)  # the regeneration's target engine (auto: llama.cpp for a GGUF on the CPU)
     add_device_argument(p)
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0 (argparse turns the error into exit 2 with its message)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _int_list(text: str | None) -> list[int]:
@@ -133,14 +144,16 @@ def run(args) -> int:
     out = Path(args.out)
     data = args.data or str(out / "data")
     start = time.time()
-    if args.prompts:  # resumable: ids already in DATA are skipped; features stored as it goes
+    # --build-features only fills in features for what DATA holds: it never regenerates
+    regen = bool(args.prompts) and not args.build_features
+    if regen:  # resumable: ids already in DATA are skipped; features stored as it goes
         from flashdraft.train.data import training_prompts
         from flashdraft.train.regen import regenerate_packed
 
         regenerate_packed(data.split(",")[0], training_prompts()[: args.prompts], model=args.target,
                           max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, device=device,
                           backend=args.backend)
-    if args.prompts and args.kind == "dflash":
+    if regen and args.kind == "dflash":
         heldout_answers(args)
     target = Target.load(args.target, device=device)
     if args.build_features:
@@ -158,6 +171,7 @@ def run(args) -> int:
                       draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id, seed=args.seed,
                       bf16={"auto": None, "on": True, "off": False}[args.bf16], eval_minutes=args.eval_minutes, seqs_per_step=args.seqs_per_step,
                       feature_layer_ids=_int_list(args.feature_layer_ids), soft_weight=args.soft_weight, mask_after_miss=args.mask_after_miss,
+                      loss_gamma=args.loss_gamma,
                       init_layers=_int_list(args.init_layers), eval_answers=args.eval_answers,
                       heldout_root=args.heldout_root, init_from=args.init_from,
                       ngram_seeded=args.ngram_seeded, device=str(target.device), kind=args.kind,

@@ -104,6 +104,9 @@ class TrainConfig:
     #: GRIFFIN-style loss mask: drop block positions after the drafter's first miss
     #: (:func:`~flashdraft.train.objective.dflash_loss` ``after_miss=False``)
     mask_after_miss: bool = False
+    #: decay of the per-position loss weight ``exp(-(k-1)/gamma)`` (None = the paper's,
+    #: :func:`~flashdraft.train.objective.default_gamma`); smaller puts more weight on position 1
+    loss_gamma: float | None = None
     #: held-out answers walked per set at each evaluation (offline τ, ``flashdraft.train.walk``)
     eval_answers: int = 48
     heldout_root: str = "datasets/heldout"
@@ -439,7 +442,7 @@ class Trainer:
             log.info("bf16 autocast %s on %s (default for this device)", "on" if cfg.bf16 else "off", self.device)
         self.drafter.train()
         self._unfreeze()
-        gamma = default_gamma(self.drafter.block_size)
+        gamma = cfg.loss_gamma or default_gamma(self.drafter.block_size)
         deadline = time.time() + 3600 * cfg.max_hours if cfg.max_hours else math.inf
         stop = {"flag": False}
         old = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
