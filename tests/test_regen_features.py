@@ -202,15 +202,15 @@ def test_sigterm_saves_and_leaves_without_the_held_out_walk(tmp_path, target, mo
 def test_build_features_cli_never_regenerates(tmp_path, target, monkeypatch):
     """`flashdraft train --build-features` fills in features for what DATA holds and exits; with
     the default --prompts it used to regenerate (and append answers to DATA) first."""
+    import flashdraft.engine as engine
     import flashdraft.train.regen as regen
     from flashdraft.cli import main
-    from flashdraft.target import Target
 
     data = tmp_path / "data"
     regenerate_packed(data, PROMPTS[:3], target=target, max_new_tokens=8, batch_size=2, layer_ids=(),
                       progress=False)
     monkeypatch.setattr(regen, "regenerate_packed", lambda *a, **k: pytest.fail("regenerated"))
-    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: target))
+    monkeypatch.setattr(engine, "load_engine_target", lambda cfg: target)
     assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), "--build-features"]) == 0
     assert len(FeatureStore(data)) == 3
     target.set_feature_layers(None)
@@ -247,3 +247,29 @@ def test_loss_gamma_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--out", "x", "--loss-gamma", "0"])
     assert e.value.code == 2 and "--loss-gamma: must be > 0" in capsys.readouterr().err
+
+
+def test_stored_rows_name_their_backend_and_the_walk_reads_only_its_own(tmp_path, target):
+    """meta.json records the engine whose forward made the rows; the walk uses stored rows
+    only when its target runs on that backend (llama.cpp's rows differ slightly)."""
+    from types import SimpleNamespace
+
+    from flashdraft.train.walk import load_answers
+
+    out = tmp_path / "data"
+    regenerate_packed(out, PROMPTS[:2], target=target, max_new_tokens=8, batch_size=2, layer_ids=[0, 2],
+                      progress=False)
+    target.set_feature_layers(None)
+    store = FeatureStore(out)
+    assert store.backend == "torch" and json.loads((out / "features" / "meta.json").read_text())["backend"] == "torch"
+    assert all(f is not None for *_, f in load_answers(out, target, [0, 2]))
+    on_llama = SimpleNamespace(backend="llama")
+    assert all(f is None for *_, f in load_answers(out, on_llama, [0, 2]))
+    # a store written before the key reads as torch's, and torch rows can still be added to it
+    meta = out / "features" / "meta.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "backend"}))
+    assert FeatureStore(out).backend == "torch"
+    regenerate_packed(out, PROMPTS[:3], target=target, max_new_tokens=8, batch_size=2, layer_ids=[0, 2],
+                      progress=False)
+    assert len(FeatureStore(out)) == 3
+    target.set_feature_layers(None)

@@ -155,15 +155,19 @@ def run(args) -> int:
                           backend=args.backend)
     if regen and args.kind == "dflash":
         heldout_answers(args)
-    target = Target.load(args.target, device=device)
     if args.build_features:
+        # on --backend's engine (auto: llama.cpp for a GGUF on the CPU), the one that serves
+        from flashdraft.engine import EngineConfig, load_engine_target
         from flashdraft.train.features import build_features
         from flashdraft.train.regen import default_stored_layers
 
+        target = load_engine_target(EngineConfig(model=args.target, spec_type="none", backend=args.backend,
+                                                 device=str(device)))
         for d in str(data).split(","):
             n = build_features(d, target, default_stored_layers(target.num_layers))
-            print(f"{d}: features computed for {n} sequences")
+            print(f"{d}: features computed for {n} sequences ({getattr(target, 'backend', 'torch')} backend)")
         return 0
+    target = Target.load(args.target, device=device)
     hours = None if args.max_hours is None else max(0.01, args.max_hours - (time.time() - start) / 3600)
     cfg = TrainConfig(data_dir=data, out_dir=str(out), target=args.target, num_layers=args.layers,
                       num_feature_layers=args.feature_layers, block_size=args.block_size,

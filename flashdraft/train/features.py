@@ -51,10 +51,11 @@ def top_logprobs(logits: torch.Tensor, k: int = TOPK) -> tuple[np.ndarray, np.nd
 class FeatureWriter:
     """Appends sequences' rows for one shard index (see the module docstring)."""
 
-    def __init__(self, data_dir: str | Path, shard_index: int, layer_ids, hidden: int, k: int = TOPK):
+    def __init__(self, data_dir: str | Path, shard_index: int, layer_ids, hidden: int, k: int = TOPK,
+                 backend: str = "torch"):
         self.dir = Path(data_dir) / "features"
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_meta(self.dir, layer_ids, hidden, k)
+        write_meta(self.dir, layer_ids, hidden, k, backend)
         self.width = len(layer_ids) * hidden
         self.k = k
         self.feat = open(self.dir / f"feat-{shard_index:05d}.f16", "ab")
@@ -91,12 +92,16 @@ class FeatureWriter:
             f.close()
 
 
-def write_meta(feature_dir: Path, layer_ids, hidden: int, k: int) -> None:
-    """Write ``meta.json`` or check that an existing one agrees. Raises ValueError if not."""
-    meta = {"layer_ids": list(layer_ids), "hidden_size": hidden, "topk": k}
+def write_meta(feature_dir: Path, layer_ids, hidden: int, k: int, backend: str = "torch") -> None:
+    """Write ``meta.json`` or check that an existing one agrees. Raises ValueError if not.
+
+    ``backend`` names the engine whose forward made the rows (``torch`` or ``llama``): their
+    numbers differ slightly (llama.cpp's quantized kernels), and a walk or a training run can
+    then choose the rows of the backend that serves."""
+    meta = {"layer_ids": list(layer_ids), "hidden_size": hidden, "topk": k, "backend": backend}
     path = feature_dir / "meta.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        old = {"backend": "torch", **json.loads(path.read_text())}  # stores before the key: torch's
         if old != meta:
             raise ValueError(f"{feature_dir} holds features of another layout ({old} != {meta})")
         return
@@ -131,6 +136,8 @@ class FeatureStore:
         self.layer_ids = list(meta["layer_ids"])
         self.hidden = int(meta["hidden_size"])
         self.k = int(meta["topk"])
+        #: the engine whose forward made the rows (``torch`` for stores written before the key)
+        self.backend = meta.get("backend", "torch")
         self.width = len(self.layer_ids) * self.hidden
         self._where: dict[str, tuple[int, int, int]] = {}
         self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -180,10 +187,35 @@ class FeatureStore:
         return cols
 
 
+def storable_layers(target, layer_ids) -> list[int]:
+    """The subset of ``layer_ids`` whose outputs ``target`` can give as features.
+
+    The llama backend exposes layer *inputs*, so the last layer's output is not among them, and
+    a graph without layer inputs (:data:`~flashdraft.targets.llama.LAYER_INPUT_ARCHS`) gives
+    none (the trainer and the walk then compute features themselves). Logs what it drops.
+    """
+    layer_ids = list(layer_ids)
+    if getattr(target, "backend", "torch") != "llama":
+        return layer_ids
+    from flashdraft.targets.llama import LAYER_INPUT_ARCHS
+
+    if layer_ids and target.architecture not in LAYER_INPUT_ARCHS:
+        log.warning("llama.cpp's %s graph exports no layer inputs: storing no features", target.architecture)
+        return []
+    last = [i for i in layer_ids if i >= target.num_layers - 1]
+    if last:
+        log.warning("the llama backend cannot store layer %s (the last layer's output); storing %s",
+                    last, [i for i in layer_ids if i not in last])
+    return [i for i in layer_ids if i not in last]
+
+
 def build_features(data_dir: str | Path, target, layer_ids=DEFAULT_STORED_LAYERS, progress: bool = True) -> int:
-    """Compute stored rows for every shard sequence that has none (one target forward each).
+    """Compute stored rows for every shard sequence that has none (one target forward each),
+    on ``target``'s backend (recorded in ``meta.json``; see :func:`storable_layers`).
 
     Returns the number of sequences written. Resumable: sequences already stored are skipped.
+    Raises:
+        ValueError: the store holds rows of another layout or backend.
     """
     from tqdm import tqdm
 
@@ -198,12 +230,16 @@ def build_features(data_dir: str | Path, target, layer_ids=DEFAULT_STORED_LAYERS
             if have is None or sid not in have]
     if not todo:
         return 0
+    layer_ids = storable_layers(target, layer_ids)
+    if not layer_ids:
+        return 0
+    backend = getattr(target, "backend", "torch")
     target.set_feature_layers(list(layer_ids))
     writers: dict[int, FeatureWriter] = {}
     try:
         for sid, ids, _, shard in tqdm(todo, desc="features", unit="seq", disable=not progress):
             if shard not in writers:
-                writers[shard] = FeatureWriter(data_dir, shard, layer_ids, target.hidden_size)
+                writers[shard] = FeatureWriter(data_dir, shard, layer_ids, target.hidden_size, backend=backend)
             logits, feats = target.forward(ids, target.new_cache(ids.shape[0] + 1), 0)
             top_ids, top_logp = top_logprobs(logits)
             writers[shard].write(sid, feats, top_ids, top_logp)

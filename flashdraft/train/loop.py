@@ -330,6 +330,9 @@ class Trainer:
             try:
                 store = FeatureStore(path)
                 stores.append((store, store.columns(self.drafter.target_layer_ids)))
+                # the rows of the backend that made them; what the store lacks comes from the
+                # trainer's own (torch) target
+                log.info("%s: %d sequences' features stored by the %s backend", path, len(store), store.backend)
             except (FileNotFoundError, ValueError) as e:
                 log.warning("%s: no stored features for layers %s (%s); computing them with the target",
                             path, self.drafter.target_layer_ids, e)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from flashdraft.sampling import SamplingParams, choose_token
-from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter
+from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter, storable_layers
 from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
 from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
 
@@ -277,17 +277,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
         layer_ids = default_stored_layers(target.num_layers)
     packed = generate_packed if getattr(target, "lean", None) is not None else generate_packed_llama
     if getattr(target, "backend", "torch") == "llama":
-        from flashdraft.targets.llama import LAYER_INPUT_ARCHS
-
         packed = generate_packed_llama
-        if layer_ids and target.architecture not in LAYER_INPUT_ARCHS:  # the trainer / walk computes them
-            log.warning("llama.cpp's %s graph exports no layer inputs: storing no features", target.architecture)
-            layer_ids = []
-        last = [i for i in layer_ids if i >= target.num_layers - 1]
-        if last:  # llama.cpp exposes layer inputs: the last layer's output has none
-            log.warning("the llama backend cannot store layer %s (the last layer's output); storing %s",
-                        last, [i for i in layer_ids if i not in last])
-            layer_ids = [i for i in layer_ids if i not in last]
+        layer_ids = storable_layers(target, layer_ids)
     feature_writers: dict[int, FeatureWriter] = {}
     t0, new_tokens, last_manifest = time.perf_counter(), 0, time.time()
     bar = tqdm(total=len(todo), unit="answer", disable=not progress, mininterval=5.0, dynamic_ncols=True)
@@ -299,7 +290,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
             if layer_ids:
                 shard = writer.next_index - 1  # the shard the record just went to
                 if shard not in feature_writers:
-                    feature_writers[shard] = FeatureWriter(out, shard, layer_ids, target.hidden_size)
+                    feature_writers[shard] = FeatureWriter(out, shard, layer_ids, target.hidden_size,
+                                                           backend=getattr(target, "backend", "torch"))
                 feature_writers[shard].write(pid, feats, top_ids, top_logp)
             counts["done"] += 1
             counts[finish] += 1

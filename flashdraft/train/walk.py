@@ -312,8 +312,8 @@ def ensure_heldout_answers(target, dataset: str, temperature: float, root: str |
 def load_answers(directory: str | Path, target, layer_ids, limit: int | None = None):
     """``[(id, ids [T], n_prompt, features [T', k*H] or None)]`` of a directory's answers.
 
-    Features come from the stored rows when they hold ``layer_ids``; otherwise None (the
-    caller computes them with a target forward).
+    Features come from the stored rows when they hold ``layer_ids`` and were made by
+    ``target``'s backend; otherwise None (the caller computes them with a target forward).
     """
     from flashdraft.train.features import FeatureStore
 
@@ -325,8 +325,8 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
         cols = store.columns(layer_ids) if layer_ids else None
     except (FileNotFoundError, ValueError):
         store, cols = None, None
-    if getattr(target, "backend", "torch") == "llama":
-        store = None  # stored features are the torch forward's: walk on this backend's own
+    if store is not None and store.backend != getattr(target, "backend", "torch"):
+        store = None  # rows of another engine differ slightly: walk on this backend's own
     out = []
     for sid, ids, n_prompt in seqs:
         feats = None
