@@ -20,6 +20,7 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.target import Target, load_hf_model
+from flashdraft.targets import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
                     cfg.spec_type)
     if target is None:
         target = load_engine_target(cfg)
-    if getattr(target, "backend", "torch") == "llama":  # its context holds K/V of the types it was made with
+    if target_backend(target) == "llama":  # its context holds K/V of the types it was made with
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft)

@@ -273,3 +273,27 @@ def test_stored_rows_name_their_backend_and_the_walk_reads_only_its_own(tmp_path
                       progress=False)
     assert len(FeatureStore(out)) == 3
     target.set_feature_layers(None)
+
+
+def test_trainer_warns_when_it_would_mix_two_engines_features(tmp_path, target, caplog):
+    """Stored llama rows plus sequences without rows: the trainer fills those in with its torch
+    target, and says so, naming the command that keeps a run on one engine's features."""
+    data = tmp_path / "data"
+    regenerate_packed(data, PROMPTS[:3], target=target, max_new_tokens=8, batch_size=2, layer_ids=[0, 1, 2, 3],
+                      progress=False)
+    regenerate_packed(data, PROMPTS[:5], target=target, max_new_tokens=8, batch_size=2, layer_ids=(),
+                      progress=False)  # two more answers, no feature rows
+    target.set_feature_layers(None)
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "run"), num_layers=1, feature_layer_ids=[1, 3],
+                      block_size=4, blocks_per_step=8, seqs_per_step=2, steps=1, draft_vocab=0,
+                      mask_token_id=63, eval_minutes=0, bf16=False)
+    with caplog.at_level("WARNING", logger="flashdraft.train.loop"):
+        Trainer(cfg, target=target)
+    assert not [r for r in caplog.records if "computed with the torch target" in r.getMessage()]  # torch rows: no mix
+    meta = data / "features" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "backend": "llama"}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="flashdraft.train.loop"):
+        Trainer(cfg, target=target)
+    warned = [r.getMessage() for r in caplog.records if "computed with the torch target" in r.getMessage()]
+    assert len(warned) == 1 and "2 sequences" in warned[0] and "--build-features --backend llama" in warned[0]

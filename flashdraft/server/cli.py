@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from flashdraft.argtypes import positive_int
 from flashdraft.cli import add_cache_arguments
 from flashdraft.server import limits, llama_flags
 
@@ -42,15 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="drafting method (default: dflash with -md, else none, like llama-server without a draft "
                         "model; dflash/hybrid without -md use the shipped drafter of the packaged model)")
     m.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", dest="spec_draft_n_max",
-                   type=_positive_int, default=16, help="draft tokens per step (default: 16)")
+                   type=positive_int, default=16, help="draft tokens per step (default: 16)")
     m.add_argument("--spec-dm-controller", choices=("profit", "off"), default="profit",
                    help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
                         "does not pay; off = always --spec-draft-n-max (default: profit)")
-    m.add_argument("--spec-dflash-cross-ctx", type=_positive_int, default=None, metavar="N",
+    m.add_argument("--spec-dflash-cross-ctx", type=positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
     add_drafter_arguments(m)
     add_suffix_arguments(m)
-    m.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
+    m.add_argument("-c", "--ctx-size", type=positive_int, default=4096,
                    help="context size in tokens, prompt + output, split across the -np slots (default: 4096)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None,
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra chat template variables for every request, a JSON object")
     m.add_argument("--reasoning", choices=REASONING, default="auto",
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
-    m.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
+    m.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(m)
     from flashdraft.cli import add_backend_argument
     add_backend_argument(m)
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1",
                    help="bind address, or several separated by commas (default: 127.0.0.1)")
     h.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    h.add_argument("-np", "--parallel", type=_positive_int, default=1,
+    h.add_argument("-np", "--parallel", type=positive_int, default=1,
                    help="parallel slots: up to N requests decode together, their verify steps packed "
                         "into one target forward per step (more total tokens/s, each request a bit "
                         "slower); further requests wait for a free slot (default: 1)")
@@ -350,13 +351,6 @@ def _exit_cleanly_on_sigterm(server) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda _sig, _frame: setattr(server, "should_exit", True))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

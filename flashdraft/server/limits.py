@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+from flashdraft.argtypes import non_negative_int
 from flashdraft.server.errors import APIError
 
 MIB = 1024 * 1024
@@ -68,7 +69,7 @@ def flag(name: str) -> str:
 def add_arguments(group) -> None:
     """Add one ``--max-*`` flag per limit to an argparse group (dest ``max_<name>``)."""
     for f in fields(Limits):
-        group.add_argument(flag(f.name), dest=f"max_{f.name}", type=_non_negative, default=f.default,
+        group.add_argument(flag(f.name), dest=f"max_{f.name}", type=non_negative_int, default=f.default,
                            metavar="N", help=f"most {WHAT[f.name]} (default: {f.default})")
 
 
@@ -118,12 +119,3 @@ def _grammar_sizes(req) -> list[tuple[str, int]]:
     for i, tool in enumerate(req.tools.active):
         out.append((f"{req.tools.param}.{i}", len(json.dumps(tool["parameters"]))))
     return out
-
-
-def _non_negative(text: str) -> int:
-    import argparse
-
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value

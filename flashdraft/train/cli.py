@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+from flashdraft.argtypes import positive_float
 from flashdraft.device import add_device_argument, device_from_args
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-seeded", action="store_true",
                    help="train an n-gram-seeded drafter: block mask positions start as the prompt-lookup "
                         "continuation of the anchor (dflash_config.ngram_seeded)")
-    p.add_argument("--loss-gamma", type=_positive_float, default=None,
+    p.add_argument("--loss-gamma", type=positive_float, default=None,
                    help="decay of the per-position loss weight exp(-(k-1)/gamma); smaller weights block "
                         "position 1 more (default: the paper's, 4 for block size 8)")
     p.add_argument("--mask-after-miss", action="store_true",
@@ -96,14 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_backend_argument(p)  # the regeneration's target engine (auto: llama.cpp for a GGUF on the CPU)
     add_device_argument(p)
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a float > 0 (argparse turns the error into exit 2 with its message)."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _int_list(text: str | None) -> list[int]:

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.targets import target_backend
+
 log = logging.getLogger(__name__)
 
 #: decoder layers stored by default for SmolLM2-135M (30 layers): a superset of every
@@ -195,7 +197,7 @@ def storable_layers(target, layer_ids) -> list[int]:
     none (the trainer and the walk then compute features themselves). Logs what it drops.
     """
     layer_ids = list(layer_ids)
-    if getattr(target, "backend", "torch") != "llama":
+    if target_backend(target) != "llama":
         return layer_ids
     from flashdraft.targets.llama import LAYER_INPUT_ARCHS
 
@@ -233,7 +235,7 @@ def build_features(data_dir: str | Path, target, layer_ids=DEFAULT_STORED_LAYERS
     layer_ids = storable_layers(target, layer_ids)
     if not layer_ids:
         return 0
-    backend = getattr(target, "backend", "torch")
+    backend = target_backend(target)
     target.set_feature_layers(list(layer_ids))
     writers: dict[int, FeatureWriter] = {}
     try:

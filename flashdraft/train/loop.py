@@ -224,6 +224,7 @@ class Trainer:
             self.best_tau = state.get("best_tau")
             log.info("resumed from %s at step %d", ckpt, self.step)
         self.stores = self._open_stores()
+        self._warn_mixed_backends()
         self.target.set_feature_layers(self.drafter.target_layer_ids)
         emb = self.target.embed_tokens.weight.detach()
         self.embed_weight = emb
@@ -338,6 +339,20 @@ class Trainer:
                             path, self.drafter.target_layer_ids, e)
                 stores.append(None)
         return stores
+
+    def _warn_mixed_backends(self) -> None:
+        """Warn when a data directory's stored rows come from another engine than the trainer's
+        own torch target and some of its sequences have no stored row: those are computed
+        here with torch, so the run would train on two engines' numbers at once."""
+        for d, entry in enumerate(self.stores):
+            if entry is None or entry[0].backend == "torch":
+                continue
+            missing = sum(1 for sid, _, _, dd in self.seqs if dd == d and sid not in entry[0])
+            if missing:
+                log.warning("%s: %d sequences have no stored rows and are computed with the torch target, "
+                            "while the stored rows come from the %s backend; run `flashdraft train "
+                            "--build-features --backend %s` on it first to train on one engine's features",
+                            self.data_dirs[d], missing, entry[0].backend, entry[0].backend)
 
     def _sequence(self, seq_id: str, ids: torch.Tensor, d: int):
         """``(features [T', k*H] float32, soft labels or None)`` of one training sequence, on

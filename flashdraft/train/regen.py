@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from flashdraft.sampling import SamplingParams, choose_token
+from flashdraft.targets import target_backend
 from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter, storable_layers
 from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
 from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
@@ -276,7 +277,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
     packed = generate_packed if getattr(target, "lean", None) is not None else generate_packed_llama
-    if getattr(target, "backend", "torch") == "llama":
+    if target_backend(target) == "llama":
         packed = generate_packed_llama
         layer_ids = storable_layers(target, layer_ids)
     feature_writers: dict[int, FeatureWriter] = {}
@@ -291,7 +292,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
                 shard = writer.next_index - 1  # the shard the record just went to
                 if shard not in feature_writers:
                     feature_writers[shard] = FeatureWriter(out, shard, layer_ids, target.hidden_size,
-                                                           backend=getattr(target, "backend", "torch"))
+                                                           backend=target_backend(target))
                 feature_writers[shard].write(pid, feats, top_ids, top_logp)
             counts["done"] += 1
             counts[finish] += 1

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashdraft.targets import target_backend
 from flashdraft.train.shards import read_shards
 from flashdraft.train.stats import AcceptanceStats
 
@@ -325,7 +326,7 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
         cols = store.columns(layer_ids) if layer_ids else None
     except (FileNotFoundError, ValueError):
         store, cols = None, None
-    if store is not None and store.backend != getattr(target, "backend", "torch"):
+    if store is not None and store.backend != target_backend(target):
         store = None  # rows of another engine differ slightly: walk on this backend's own
     out = []
     for sid, ids, n_prompt in seqs:
@@ -484,7 +485,7 @@ class AnswerTarget:
         if self._answers is None:
             self._answers = self.target
             model = self.args.model
-            if (getattr(self.target, "lean", None) is None and getattr(self.target, "backend", "torch") == "torch"
+            if (getattr(self.target, "lean", None) is None and target_backend(self.target) == "torch"
                     and model and str(model).endswith(".gguf") and getattr(self.args, "backend", "auto") == "auto"):
                 from flashdraft.engine import EngineConfig, load_engine_target
 
