@@ -32,6 +32,7 @@ from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_t
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
+from flashdraft.targets import target_backend
 from flashdraft.train.objective import cosine_lr, default_gamma, dflash_loss, sample_anchors
 from flashdraft.train.shards import read_shards
 
@@ -342,17 +343,18 @@ class Trainer:
 
     def _warn_mixed_backends(self) -> None:
         """Warn when a data directory's stored rows come from another engine than the trainer's
-        own torch target and some of its sequences have no stored row: those are computed
-        here with torch, so the run would train on two engines' numbers at once."""
+        own target and some of its sequences have no stored row: those are computed here with
+        the trainer's target, so the run would train on two engines' numbers at once."""
+        own = target_backend(self.target)
         for d, entry in enumerate(self.stores):
-            if entry is None or entry[0].backend == "torch":
+            if entry is None or entry[0].backend == own:
                 continue
             missing = sum(1 for sid, _, _, dd in self.seqs if dd == d and sid not in entry[0])
             if missing:
-                log.warning("%s: %d sequences have no stored rows and are computed with the torch target, "
+                log.warning("%s: %d sequences have no stored rows and are computed with the %s target, "
                             "while the stored rows come from the %s backend; run `flashdraft train "
                             "--build-features --backend %s` on it first to train on one engine's features",
-                            self.data_dirs[d], missing, entry[0].backend, entry[0].backend)
+                            self.data_dirs[d], missing, own, entry[0].backend, entry[0].backend)
 
     def _sequence(self, seq_id: str, ids: torch.Tensor, d: int):
         """``(features [T', k*H] float32, soft labels or None)`` of one training sequence, on
