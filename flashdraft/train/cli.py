@@ -151,8 +151,8 @@ def run(args) -> int:
     if args.build_features:
         # on --backend's engine (auto: llama.cpp for a GGUF on the CPU), the one that serves
         from flashdraft.engine import EngineConfig, load_engine_target
-        from flashdraft.train.features import build_features
         from flashdraft.targets import target_backend
+        from flashdraft.train.features import build_features
         from flashdraft.train.regen import default_stored_layers
 
         target = load_engine_target(EngineConfig(model=args.target, spec_type="none", backend=args.backend,
