@@ -2,7 +2,9 @@
 
 The Messages body becomes the same internal chat request as an OpenAI chat body:
 
-- ``system`` (text or text blocks) -> a system message first;
+- ``system`` (text or text blocks) -> a system message first; a message of role ``system``
+  inside ``messages`` (Claude Code sends one) stays a system message at its place, as
+  llama-server hands it to the chat template;
 - ``text`` blocks -> the message's text; an assistant's ``tool_use`` blocks -> its tool
   calls; a user's ``tool_result`` blocks -> ``tool`` messages answering those calls, before
   the user's own text (``is_error`` results are marked ``Error:``);
@@ -15,6 +17,8 @@ The Messages body becomes the same internal chat request as an OpenAI chat body:
 - ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stream``
   (the ``anthropic`` SDK sends the sampling fields through ``extra_body``).
 
+Fields that change nothing here (:data:`HARMLESS`, ``output_config.effort``,
+``thinking.budget_tokens``) are accepted and named once in the log (:mod:`.ignored`).
 As llama-server, ``max_tokens`` may be left out (the server's ``-n``) and an empty
 ``messages`` list is answered. Images and documents, in a message or inside a
 ``tool_result``, and server tools are refused with a 400 ("image input is not supported",
@@ -31,15 +35,20 @@ from typing import Literal
 from pydantic import Field
 
 from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.ignored import note_ignored
 from flashdraft.server.request import GenRequest, Sampling, Tools
 from flashdraft.server.schemas import ChatMessage, TokenLimit, _Strict, parse_request
 from flashdraft.server.tools import active_tools
 
 
 #: Messages fields that cannot change the answer here (prompt caching is automatic; there is
-#: one machine and one speed)
+#: one machine and one speed; ``context_management`` edits a hosted conversation's stored
+#: context, and nothing is stored here): accepted, named once in the log
 HARMLESS = ("metadata", "cache_control", "service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id",
-            "diagnostics")
+            "diagnostics", "context_management")
+#: ``output_config`` fields other than ``format`` that a local model has no use for
+#: (``effort`` sets how hard a hosted model thinks; a local one decodes as it decodes)
+IGNORED_OUTPUT_CONFIG = ("effort",)
 
 
 class ToolChoice(_Strict):
@@ -98,8 +107,13 @@ def count_tokens(body: bytes) -> GenRequest:
 
 def _request(req: MessagesRequest) -> GenRequest:
     extra = dict(req.model_extra or {})
-    for name in HARMLESS:  # the caller's ids, caching and routing hints: nothing to do with the answer
-        extra.pop(name, None)
+    ignored = [name for name in HARMLESS if name in extra]
+    for name in ignored:  # the caller's ids, caching and routing hints: nothing to do with the answer
+        extra.pop(name)
+    ignored += [f"output_config.{k}" for k in IGNORED_OUTPUT_CONFIG if k in (req.output_config or {})]
+    if req.thinking is not None and req.thinking.budget_tokens is not None:
+        ignored.append("thinking.budget_tokens")
+    note_ignored("messages", ignored)
     kwargs = None
     if req.thinking is not None and req.thinking.type != "adaptive":
         kwargs = {"enable_thinking": req.thinking.type == "enabled"}
@@ -113,15 +127,17 @@ def _request(req: MessagesRequest) -> GenRequest:
 def output_format(config: dict | None) -> tuple[str, object] | None:
     """``output_config.format`` (structured output) as the answer's grammar, or None.
 
+    ``output_config.effort`` is accepted and ignored (:data:`IGNORED_OUTPUT_CONFIG`).
+
     Raises:
         APIError: 400 for a format that is not ``json_schema`` with a schema object, or
             other ``output_config`` fields.
     """
     if not config:
         return None
-    unknown = set(config) - {"format"}
+    unknown = set(config) - {"format", *IGNORED_OUTPUT_CONFIG}
     if unknown:
-        raise bad_request(f"output_config: {', '.join(sorted(unknown))} not supported (only format)",
+        raise bad_request(f"output_config: {', '.join(sorted(unknown))} not supported (only format and effort)",
                           param="output_config")
     fmt = config.get("format")
     if fmt is None:
@@ -141,9 +157,16 @@ def chat_messages(req: MessagesRequest) -> list[ChatMessage]:
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}",
+                              param=f"{where}.role")
         content = m.get("content")
+        if role == "system":  # kept at its place, as llama-server passes it on to the chat template
+            if not isinstance(content, (str, list)):
+                raise bad_request(f"{where}.content must be a string or a list of text blocks",
+                                  param=f"{where}.content")
+            out.append(ChatMessage(role="system", content=_text(content, f"{where}.content")))
+            continue
         if isinstance(content, str):
             out.append(ChatMessage(role=role, content=content))
             continue
