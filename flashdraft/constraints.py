@@ -77,12 +77,15 @@ def close_objects(schema: object) -> object:
     generates extra keys only where ``additionalProperties`` allows them; this does the same.
     ``{"type": "object"}`` without ``properties`` stays open (any object), as there. Members
     of ``allOf`` are left open: each names only part of the keys the whole object may have.
+
+    ``propertyNames``, which llguidance does not implement, is rewritten on the way
+    (:func:`property_names`).
     """
     if isinstance(schema, list):
         return [close_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = property_names(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: close_objects(v) for k, v in out[key].items()}
@@ -96,6 +99,43 @@ def close_objects(schema: object) -> object:
         out["allOf"] = [_close_inside(v) for v in out["allOf"]]
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
             and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def property_names(schema: dict) -> dict:
+    """A copy of one object schema with ``propertyNames`` (a schema every key must match)
+    turned into keywords llguidance compiles, where they say the same; the rest is relaxed.
+
+    Coding agents' tool schemas carry it (zod's records: ``"propertyNames": {"type":
+    "string"}``), and llguidance refuses the whole schema for it ("Unimplemented keys").
+
+    - ``{"type": "string"}``, ``{}`` or ``true``: no constraint on a JSON key; dropped.
+    - ``enum`` / ``const`` of strings: each such key becomes a property taking the
+      ``additionalProperties`` schema, and no other key is allowed.
+    - ``pattern``: ``patternProperties`` with that pattern and the ``additionalProperties``
+      schema, and no other key is allowed.
+    - anything else (``maxLength``, ``format``..., or a ``pattern`` beside existing
+      ``patternProperties``) is relaxed: dropped, so keys are generated unconstrained by it.
+      Keys listed in ``properties`` stay allowed whatever ``propertyNames`` says of them;
+      with ``additionalProperties: false`` only those keys exist and nothing is lost.
+    """
+    if "propertyNames" not in schema:
+        return dict(schema)
+    out = dict(schema)
+    names = out.pop("propertyNames")
+    if names is False:  # no key at all: as an empty enum
+        names = {"enum": []}
+    extra = out.get("additionalProperties", True)
+    if not isinstance(names, dict) or extra is False:
+        return out
+    value = extra if isinstance(extra, dict) else {}
+    keys = names.get("enum", [names["const"]] if "const" in names else None)
+    if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+        out["properties"] = {**{k: value for k in keys}, **(out.get("properties") or {})}
+        out["additionalProperties"] = False
+    elif isinstance(names.get("pattern"), str) and "patternProperties" not in out:
+        out["patternProperties"] = {names["pattern"]: value}
         out["additionalProperties"] = False
     return out
 

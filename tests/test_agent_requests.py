@@ -10,10 +10,15 @@ import json
 import logging
 
 import httpx
+import llguidance
 import pytest
-from inproc import new_generator, serve
+from inproc import CHAT_TEMPLATE, PacedGenerator, new_generator, serve
+from tiny import byte_tokenizer, tiny_model
 
+from flashdraft.constraints import compile_grammar
+from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.server import ignored, parse_anthropic
+from flashdraft.target import Target
 
 USER = {"role": "user", "content": "t1 t2"}
 
@@ -74,3 +79,66 @@ def test_what_would_change_the_answer_is_still_a_400(url, body, words):
     r = httpx.post(url + "/v1/messages", json={"max_tokens": 3, "messages": [USER], **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"], r.json()
+
+
+# -- propertyNames in tool and JSON schemas --------------------------------------------------
+
+class _Bytes:
+    """llguidance's view of a byte-level tokenizer: any JSON text is a token sequence."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+
+    def __call__(self, s: bytes) -> list[int]:
+        return list(s)
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+    matcher = llguidance.LLMatcher(tokenizer, compile_grammar("json_schema", schema))
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def _record(names) -> dict:
+    return {"type": "object", "propertyNames": names, "additionalProperties": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("names,good,bad", [
+    ({"type": "string"}, '{"Any Key": 1}', '{"k": "x"}'),  # no constraint on keys; values still checked
+    ({"enum": ["a", "b"]}, '{"a": 1, "b": 2}', '{"c": 1}'),
+    ({"const": "a"}, '{"a": 1}', '{"b": 1}'),
+    ({"pattern": "^[a-z]+$"}, '{"ab": 1}', '{"aB": 1}'),
+    ({"maxLength": 2}, '{"long key": 1}', '{"k": "x"}'),  # relaxed: keys unconstrained, values checked
+])
+def test_property_names_are_compiled_or_relaxed(names, good, bad):
+    assert _accepts(_record(names), good)
+    assert not _accepts(_record(names), bad)
+
+
+@pytest.fixture(scope="module")
+def byte_url():
+    """A server on a tiny target with a byte-level tokenizer: grammars run on it."""
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    gen = PacedGenerator(Target(tiny_model(), tok, name="tiny-bytes"), NgramDrafter(), ctx_size=512, n_draft=4)
+    with serve(gen) as base:
+        yield base
+
+
+#: short: the byte-level tokenizer spends a token per character of the tool preamble
+TODOS = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "tools": [{"type": "function", "function": {"name": "todo", "parameters": TODOS}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": TODOS}}}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "tools": [{"name": "todo", "input_schema": TODOS}]}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                       "tools": [{"type": "function", "name": "todo", "parameters": TODOS}]}),
+])
+def test_a_schema_with_property_names_is_answered_on_every_api(byte_url, path, body):
+    r = httpx.post(byte_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
