@@ -17,7 +17,8 @@ from tiny import byte_tokenizer, tiny_model
 
 from flashdraft.constraints import compile_grammar
 from flashdraft.drafters.ngram import NgramDrafter
-from flashdraft.server import ignored, parse_anthropic
+from flashdraft.server import ignored, parse_anthropic, parse_responses
+from flashdraft.server.render_responses import call_item
 from flashdraft.target import Target
 
 USER = {"role": "user", "content": "t1 t2"}
@@ -142,3 +143,65 @@ TODOS = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additional
 def test_a_schema_with_property_names_is_answered_on_every_api(byte_url, path, body):
     r = httpx.post(byte_url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# -- Responses: what Codex CLI sends ----------------------------------------------------------
+
+EXEC = {"type": "function", "name": "exec_command", "description": "Run a command", "strict": False,
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
+CODEX_TOOLS = [
+    {"type": "namespace", "name": "functions", "description": "", "tools": [EXEC]},
+    {"type": "namespace", "name": "mcp__docs", "description": "The docs server.",
+     "tools": [{**EXEC, "name": "search", "description": "Search the docs"}, {"type": "custom", "name": "patch"}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}},
+]
+
+
+def test_namespace_tools_offer_their_functions_and_the_rest_is_dropped():
+    body = {"input": [{"role": "user", "content": "t1"},
+                      {"type": "function_call", "namespace": "mcp__docs", "name": "search", "call_id": "c1",
+                       "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "t2"}],
+            "tools": CODEX_TOOLS, "tool_choice": {"type": "function", "namespace": "mcp__docs", "name": "search"}}
+    req = parse_responses.responses(json.dumps(body).encode())
+    assert [t["name"] for t in req.tools.active] == ["mcp__docs__search"]  # tool_choice picked it
+    assert req.tools.active[0]["description"] == "The docs server.\n\nSearch the docs"
+    assert req.tools.namespaced == {"mcp__docs__search": ("mcp__docs", "search")}
+    assert req.messages[1].tool_calls[0]["function"]["name"] == "mcp__docs__search"  # the history names it alike
+    every = parse_responses.responses(json.dumps({**body, "tool_choice": "auto"}).encode())
+    assert [t["name"] for t in every.tools.active] == ["exec_command", "mcp__docs__search"]
+
+
+def test_a_namespaced_call_is_answered_with_its_namespace_and_name():
+    call = {"id": "c1", "type": "function", "function": {"name": "mcp__docs__search", "arguments": "{}"}}
+    item = call_item(call, {"mcp__docs__search": ("mcp__docs", "search")})
+    assert (item["namespace"], item["name"], item["call_id"]) == ("mcp__docs", "search", "c1")
+    plain = call_item({**call, "function": {"name": "exec_command", "arguments": "{}"}}, {})
+    assert plain["name"] == "exec_command" and "namespace" not in plain
+
+#: their shape, short (the byte-level tokenizer spends a token per character of the preamble)
+SHORT_CODEX_TOOLS = [{"type": "namespace", "name": "functions", "tools": [{"type": "function", "name": "ls"}]},
+                     {"type": "namespace", "name": "mcp", "tools": [{"type": "custom", "name": "patch"}]},
+                     {"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]
+
+
+def test_codexs_first_request_is_answered_and_what_is_dropped_named_once(byte_url, warnings):
+    body = {"model": "any", "instructions": "be brief", "input": [{"role": "user", "content": "hi"}],
+            "tools": SHORT_CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False, "store": False,
+            "stream": False, "include": [], "prompt_cache_key": "k", "max_output_tokens": 2,
+            "client_metadata": {"originator": "codex_cli_rs"}}
+    for _ in range(2):
+        r = httpx.post(byte_url + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    named = warnings()
+    assert len(named) == 2, named  # the ignored fields, the dropped tools: each said once
+    assert "client_metadata" in named[0] and "prompt_cache_key" in named[0], named
+    for kind in ("web_search", "custom (in namespace 'mcp')", "tools of type custom"):
+        assert kind in named[1], named
+
+
+def test_an_unknown_responses_field_is_still_a_400(url):
+    r = httpx.post(url + "/v1/responses", json={"input": "t1", "max_output_tokens": 2, "conversation": "c1"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation", r.text

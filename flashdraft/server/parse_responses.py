@@ -6,8 +6,9 @@
   ``function_call_output`` items (a tool's result, answering an earlier ``call_id``);
   ``reasoning`` items of earlier answers are dropped (chat templates do not render them);
 - ``instructions`` -> a system message first;
-- ``tools`` (function tools: ``name``, ``description``, ``parameters``), ``tool_choice``,
-  ``parallel_tool_calls`` -> the same constrained tool calls as chat completions;
+- ``tools`` (function tools: ``name``, ``description``, ``parameters``, also inside
+  ``namespace`` tools), ``tool_choice``, ``parallel_tool_calls`` -> the same constrained
+  tool calls as chat completions; tools of other types are dropped with a warning;
 - ``text.format`` (``text``, ``json_object``, ``json_schema`` with ``schema``) -> the
   answer's grammar;
 - ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``.
@@ -23,12 +24,20 @@ from __future__ import annotations
 from pydantic import Field
 
 from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.ignored import note_ignored
 from flashdraft.server.request import GenRequest, Sampling, Tools
 from flashdraft.server.schemas import ChatMessage, TokenLimit, _Strict, parse_request
 from flashdraft.server.tools import active_tools
 
 #: the text part types of an input message
 TEXT_PARTS = ("input_text", "output_text", "text")
+#: fields that change nothing here (``client_metadata``: Codex CLI's ids for its own logs),
+#: accepted and named once in the log; some only with a neutral value (:func:`_harmless`)
+HARMLESS = ("metadata", "client_metadata", "user", "truncation", "include", "reasoning", "service_tier",
+            "prompt_cache_key", "safety_identifier", "stream_options", "background")
+#: Codex CLI's namespace for its plain function tools; other namespaces' tools are named
+#: ``{namespace}__{name}`` for the model
+DEFAULT_NAMESPACE, NAMESPACE_SEP = "functions", "__"
 
 
 class ResponsesRequest(_Strict):
@@ -64,10 +73,10 @@ def responses(body: bytes) -> GenRequest:
         raise bad_request("previous_response_id is not supported: this server does not store responses; send the "
                           "whole conversation in input", param="previous_response_id")
     extra = dict(req.model_extra or {})
-    for harmless in ("metadata", "user", "truncation", "include", "reasoning", "service_tier", "prompt_cache_key",
-                     "safety_identifier", "stream_options", "background"):
-        if harmless in extra and _harmless(harmless, extra[harmless]):
-            extra.pop(harmless)
+    ignored = [name for name in HARMLESS if name in extra and _harmless(name, extra[name])]
+    for name in ignored:
+        extra.pop(name)
+    note_ignored("responses", ignored)
     return GenRequest(api="responses", model=req.model, messages=chat_messages(req),
                       max_tokens=req.max_output_tokens, limit_param="max_output_tokens", stream=req.stream,
                       sampling=Sampling(temperature=req.temperature, top_p=req.top_p), tools=tools_of(req),
@@ -153,38 +162,78 @@ def _parts_text(parts: object, at: str) -> str:
 def _call(item: dict, at: str) -> dict:
     if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
         raise bad_request(f"{at}: a function_call item needs string call_id, name and arguments", param=at)
-    return {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    return {"id": item["call_id"], "type": "function",  # named as the tool was offered to the model
+            "function": {"name": visible_name(item.get("namespace"), item["name"]), "arguments": item["arguments"]}}
+
+
+def visible_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a function of a Responses ``namespace`` tool: its own in
+    the default namespace (``functions``), else ``{namespace}__{name}`` (as Codex CLI names
+    a namespaced tool for an API without namespaces, so two namespaces' names never clash)."""
+    return name if namespace in (None, "", DEFAULT_NAMESPACE) else f"{namespace}{NAMESPACE_SEP}{name}"
+
+
+def _flat_tools(tools: list) -> tuple[list[dict], dict[str, tuple[str, str]], list[str]]:
+    """The function tools of ``tools``, those inside ``namespace`` tools included, as chat
+    tools; ``{visible name: (namespace, name)}`` for the namespaced ones; the types dropped."""
+    functions, namespaced, dropped = [], {}, []
+
+    def add(tool: dict, namespace: str | None, at: str, about: str = "") -> None:
+        if not isinstance(tool.get("name"), str):
+            raise bad_request(f"{at}: a function tool needs a string 'name'", param=at)
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        fn["name"] = visible_name(namespace, tool["name"])
+        if fn["name"] != tool["name"]:
+            namespaced[fn["name"]] = (namespace, tool["name"])
+            if about:  # what the namespace is (an MCP server...): the model sees no namespace of its own
+                fn["description"] = f"{about}\n\n{fn.get('description', '')}".strip()
+        functions.append({"type": "function", "function": fn})
+
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            add(tool, None, f"tools.{i}")
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            for k, nested in enumerate(tool["tools"]):
+                nested_kind = nested.get("type") if isinstance(nested, dict) else None
+                if nested_kind == "function":
+                    add(nested, str(tool.get("name") or ""), f"tools.{i}.tools.{k}",
+                        str(tool.get("description") or ""))
+                else:
+                    dropped.append(f"{nested_kind} (in namespace {tool.get('name')!r})")
+        else:
+            dropped.append(str(kind))
+    return functions, namespaced, dropped
 
 
 def tools_of(req: ResponsesRequest) -> Tools:
     """Function tools and ``tool_choice`` as the engine's tool calls.
 
+    The function tools inside ``namespace`` tools (Codex CLI's) are offered as function
+    tools (:func:`visible_name`); tools of other types (``web_search``, ``custom``,
+    ``local_shell``, ``image_generation``...) need a runtime this server does not have: they
+    are dropped and named once in the log, so the agent goes on with the tools that work.
+
     Raises:
-        APIError: 400 for a built-in tool (web search, file search...), a malformed
-            function tool or a ``tool_choice`` naming no given tool.
+        APIError: 400 for a malformed function tool or a ``tool_choice`` naming no given tool.
     """
-    tools = req.tools or []
-    openai_tools = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools.{i}: only function tools are supported, got type {kind!r}", param=f"tools.{i}")
-        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        openai_tools.append({"type": "function", "function": fn})
+    openai_tools, namespaced, dropped = _flat_tools(req.tools or [])
+    note_ignored("responses", [f"tools of type {kind}" for kind in dropped], why="this server cannot run them; "
+                 "dropped from the tools offered")
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
                               param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        choice = {"type": "function", "function": {"name": visible_name(choice.get("namespace"), choice["name"])}}
     try:
         active = active_tools(openai_tools, choice)
     except APIError as e:  # active_tools speaks chat completions' field names: say it in this API's
         raise bad_request(e.message.replace("tools[", "tools.").replace("].function.", "."),
                           param=e.param) from None
     must_call = choice == "required" or isinstance(choice, dict)
-    return Tools(active=active, must_call=must_call, parallel=req.parallel_tool_calls, offered=len(tools))
+    return Tools(active=active, must_call=must_call, parallel=req.parallel_tool_calls, offered=len(openai_tools),
+                 namespaced=namespaced)
 
 
 def text_format(text: dict | None) -> tuple[str, object] | None:

@@ -64,7 +64,7 @@ class ResponsesRenderer:
     def output(self, c: Completion) -> list[dict]:
         calls = parse_calls(c.text) if self.tools else None
         if calls:
-            return [call_item(call) for call in calls]
+            return [call_item(call, self.ctx.req.tools.namespaced) for call in calls]
         return [self.message_item(c.text)]
 
     @staticmethod
@@ -79,11 +79,16 @@ class ResponsesRenderer:
         return ResponsesStream(self)
 
 
-def call_item(call: dict, status: str = "completed") -> dict:
-    """An OpenAI-shaped call (:func:`parse_calls`) as a ``function_call`` output item."""
+def call_item(call: dict, namespaced: dict[str, tuple[str, str]] | None = None, status: str = "completed") -> dict:
+    """An OpenAI-shaped call (:func:`parse_calls`) as a ``function_call`` output item; a
+    call of a function offered inside a ``namespace`` tool (``namespaced``, from
+    :attr:`Tools.namespaced`) names its namespace and its own name, as Codex CLI reads it."""
     fn = call["function"]
-    return {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
+    item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
             "arguments": fn["arguments"] if status == "completed" else "", "status": status}
+    if fn["name"] in (namespaced or {}):
+        item["namespace"], item["name"] = namespaced[fn["name"]]
+    return item
 
 
 class ResponsesStream(StreamFormat):
@@ -142,7 +147,7 @@ class ResponsesStream(StreamFormat):
             out.append(self.event({"type": "response.output_item.done", "output_index": 0, "item": item}))
             output.append(item)
         for i, call in enumerate(calls or []):
-            item = call_item(call)
+            item = call_item(call, self.r.ctx.req.tools.namespaced)
             out.append(self.event({"type": "response.output_item.added", "output_index": i,
                                    "item": {**item, "arguments": "", "status": "in_progress"}}))
             out.append(self.event({"type": "response.function_call_arguments.delta", "item_id": item["id"],

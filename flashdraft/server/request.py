@@ -44,6 +44,8 @@ class Tools:
         parallel: several calls in one answer; None = what the chat template supports.
         param: the request field that holds them (for error messages).
         offered: how many tools the request listed (``--max-tools`` counts these).
+        namespaced: ``{name the model sees: (namespace, name)}`` for the functions of a
+            Responses ``namespace`` tool, so their calls are answered with both.
     """
 
     active: list[dict] = field(default_factory=list)
@@ -51,6 +53,7 @@ class Tools:
     parallel: bool | None = None
     param: str = "tools"
     offered: int = 0
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
