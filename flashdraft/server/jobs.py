@@ -32,8 +32,9 @@ def build(req: GenRequest, state) -> list[GenerationJob]:
         req: a request that passed :func:`~flashdraft.server.validate.validate`.
         state: the ready :class:`~flashdraft.server.state.ServerState` (model, prompts, settings).
     Raises:
-        APIError: 400 for a prompt too long for the context (``context_length_exceeded``),
-            a limit over the context size, a chat the template rejects, a grammar that does
+        APIError: 400 for a prompt too long for the context (``context_length_exceeded``;
+            a limit on new tokens beyond the context is capped, not refused), a chat the
+            template rejects, a grammar that does
             not compile, ids outside the vocabulary, or sampling settings the engine refuses.
     """
     if req.messages is not None:
@@ -97,11 +98,10 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
     if cap and len(prompt_ids) > cap:
         raise over("prompt_tokens", cap, len(prompt_ids), prompt_param)
     max_tokens = req.max_tokens
-    if max_tokens is not None and max_tokens > gen.ctx_size:
-        raise bad_request(f"{req.limit_param}={max_tokens} is larger than the context size ({gen.ctx_size} tokens); "
-                          f"use at most {gen.ctx_size - len(prompt_ids)} for this prompt", param=req.limit_param)
     # the request's limit wins; -n/--n-predict is only the default for requests that give
-    # none (llama-server); "none" still ends at the context end (the loop stops there)
+    # none (llama-server); "none" still ends at the context end (the loop stops there). A
+    # limit beyond what the context holds is capped to it, not refused, as llama-server does
+    # (agents ask for max_tokens 32000 whatever the context)
     room = gen.ctx_size - len(prompt_ids)
     if max_tokens is None or max_tokens < 0:
         max_tokens = settings.n_predict
