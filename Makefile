@@ -23,20 +23,16 @@ $(STAMP): pyproject.toml
 	$(MAKE) llama || echo "warning: the llama backend is not available (see above); flashdraft runs the target on torch"
 	touch $(STAMP)
 
-# llama.cpp's kernels for the target (--backend llama), built for AVX2/FMA/F16C without
-# -march=native: the same code on every x86-64 CPU since 2013, AVX512 and AMX machines
-# included (docs/performance.md, "The llama backend"); then a short decode in a child process
+# llama.cpp's kernels for the target (--backend llama), built as llama.cpp's releases ship them:
+# ggml's CPU backend as loadable variants (x64 baseline, haswell, alderlake, skylakex, icelake,
+# zen4; no AMX) and the best one for this CPU picked at load time (scripts/build_llama.sh,
+# docs/performance.md "CPU backend variants"); then a short decode in a child process
 LLAMA_CPP_PYTHON_VERSION := 0.3.36
-LLAMA_CPU_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-	-DLLAMA_BUILD_SERVER=OFF $(LLAMA_CPU_ARGS)
 llama:
 	test -x $(BIN)/python || $(MAKE) setup
-	@$(BIN)/python -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python already installed" || { \
-	  start=$$(date +%s); \
-	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)' \
-	  && echo "built llama-cpp-python in $$(( $$(date +%s) - start )) s"; }
+	@$(BIN)/python -c "import llama_cpp, pathlib; assert list((pathlib.Path(llama_cpp.__file__).parent / 'lib').glob('libggml-cpu-*.so'))" 2>/dev/null \
+	  && echo "llama-cpp-python already installed with its CPU variants" \
+	  || scripts/build_llama.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION)
 	$(BIN)/python -m flashdraft.targets.binding
 
 # drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server)
@@ -48,7 +44,7 @@ serve: setup
 # same CPU flags, into ~/.cache/flashdraft/llama-server/; ~20 min on 2 cores, so not part of setup
 llama-peer:
 	test -x $(BIN)/python || $(MAKE) setup
-	scripts/build_llama_server.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION) "$(LLAMA_CPU_ARGS)"
+	scripts/build_llama_server.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION) "-DGGML_NATIVE=ON"
 
 # z-lab's reference DFlash loop for `flashdraft bench --peers zlab`; --no-deps: its pins
 # (tqdm, datasets, requests) are not needed by the loop and would move this venv's packages

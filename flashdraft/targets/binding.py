@@ -40,6 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flashdraft.targets import cpu_backend
+
 log = logging.getLogger(__name__)
 
 #: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
@@ -86,6 +88,7 @@ class Binding:
         get_layer_inp: ``(ctx, lid) -> float *``: those inputs, ``[n_tokens, n_embd]`` of the
             last decode; None where the build lacks them (no DFlash features then).
         version: ``"llama-cpp-python 0.3.36"``.
+        cpu: the :class:`~flashdraft.targets.cpu_backend.CpuBackend` variant this process runs.
     """
 
     def __init__(self):
@@ -105,8 +108,12 @@ class Binding:
         self.version = f"{BINDING} {getattr(llama_cpp, '__version__', '?')}"
         self.set_layer_inp = self._ext("set_layer_inp")
         self.get_layer_inp = self._ext("get_layer_inp")
-        api.llama_backend_init()
         self._quiet()
+        try:  # ggml's pick of the CPU variants `make llama` built (before any model loads)
+            self.cpu = cpu_backend.load(Path(api.__file__).parent / "lib")
+        except (cpu_backend.CpuBackendError, OSError, AttributeError) as e:
+            raise BindingUnavailableError(f"{e}; {INSTALL_HINT}") from None
+        api.llama_backend_init()
 
     def _ext(self, key: str):
         names, argtypes, restype = _EXT[key]
@@ -122,13 +129,41 @@ class Binding:
         # or everything with FLASHDRAFT_LLAMA_LOG=1
         verbose = os.environ.get("FLASHDRAFT_LLAMA_LOG", "0") not in ("0", "", "false", "no")
 
+        self.captured: list[str] | None = None  # llama.cpp's log lines while capturing (load_model)
+
         @self.api.llama_log_callback
         def _log(level, text, _ud):
+            if self.captured is not None:
+                self.captured.append(text.decode("utf-8", "replace"))
             if verbose or level in (3, 4):
                 sys.stderr.write(text.decode("utf-8", "replace"))
 
         self._log_cb = _log  # keep the callback alive
         self.api.llama_log_set(_log, ctypes.c_void_p(0))
+
+    def load_model(self, path: Path, repack: bool):
+        """``llama_model_load_from_file`` on the CPU, with or without repacked weights (extra
+        buffer types: ggml's CPU_REPACK layouts for Q4_0/Q4_K/IQ4_NL/BF16 ...).
+
+        Returns:
+            ``(model pointer or None, MiB of repacked weights)``: 0 where nothing was repacked.
+        """
+        mp = self.api.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_extra_bufts = repack
+        self.captured = []
+        try:
+            model = self.api.llama_model_load_from_file(str(path).encode(), mp)
+        finally:
+            lines, self.captured = self.captured, None
+        mib = 0.0
+        for line in lines:  # "load_tensors:   CPU_REPACK model buffer size =    52.50 MiB"
+            if "REPACK model buffer size" in line:
+                try:
+                    mib += float(line.split("=")[1].split()[0])
+                except (IndexError, ValueError):
+                    pass
+        return model, mib
 
     def system_info(self) -> str:
         """llama.cpp's CPU feature line (``AVX2 = 1 | ...``)."""
@@ -236,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     except BindingUnavailableError as e:
         print(f"llama backend: unavailable: {e}\n  --backend auto will run the target on torch", file=sys.stderr)
         return 1
-    print(f"llama backend: {b.version}; {b.system_info().strip()}")
+    print(f"llama backend: {b.version}; {b.cpu.describe()}; {b.system_info().strip()}")
     if b.get_layer_inp is None:
         print("llama backend: this build lacks llama_get_embeddings_layer_inp: DFlash drafting needs --backend torch",
               file=sys.stderr)
