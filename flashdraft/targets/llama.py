@@ -47,6 +47,8 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 #: same tokens stepped one by one (measured): the prompt cache and greedy drafting would then
 #: drift from plain decoding. Under 64 rows every row is computed as a one-token step is.
 DEFAULT_UBATCH = 48
+#: ``--repack`` values (LlamaTarget's ``repack``)
+REPACK_MODES = ("auto", "on", "off")
 
 
 class LlamaCache:
@@ -111,6 +113,10 @@ class LlamaTarget(TokenizerSide):
         ubatch: rows per ``llama_decode``.
         warn: log the startup line.
         tokenizer: a transformers tokenizer to use instead of the GGUF's (tests' tiny models).
+        repack: ``auto`` (default): ggml's repacked weight layouts (faster multi-row kernels for
+            Q4_0, Q4_K, IQ4_NL, BF16 ...) where a verify block then still equals one-token steps
+            bit for bit on this CPU, checked at load, else the plain layout; ``on``: repacked
+            regardless (measurement only: drafting may then change greedy output); ``off``: plain.
     Raises:
         BindingUnavailableError: the binding is missing or broken (names the fix).
         ValueError: an unknown cache type, or a file llama.cpp cannot load.
@@ -120,7 +126,7 @@ class LlamaTarget(TokenizerSide):
 
     def __init__(self, path: str | Path, n_ctx: int = 4096, n_seq: int = 1, threads: int = 1,
                  cache_type_k: str = "f32", cache_type_v: str = "f32", ubatch: int = DEFAULT_UBATCH,
-                 warn: bool = True, tokenizer=None):
+                 warn: bool = True, tokenizer=None, repack: str = "auto"):
         for kind in (cache_type_k, cache_type_v):
             if kind not in KV_TYPES:
                 raise ValueError(f"--backend llama: cache type {kind!r} is not one llama.cpp knows; "
@@ -131,12 +137,10 @@ class LlamaTarget(TokenizerSide):
         if not path.is_file():
             raise ModelNotFoundError(f"model file not found: {path}")
         self.path, self.name = path, path.stem
-        mp = lib.llama_model_default_params()
-        mp.n_gpu_layers = 0
-        # no CPU-repack / AMX weight buffers: one kernel path on every CPU (an AMX build crashed
-        # in ggml_backend_amx_mul_mat, llama.cpp #20824); measured no slower here (performance.md)
-        mp.use_extra_bufts = False
-        self._model = lib.llama_model_load_from_file(str(path).encode(), mp)
+        if repack not in REPACK_MODES:
+            raise ValueError(f"--repack {repack!r}: choose from {', '.join(REPACK_MODES)}")
+        self.repack_mib = 0.0
+        self._model, self.repack_mib = b.load_model(path, repack != "off")
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path} (not a GGUF model it supports)")
         self._vocab = lib.llama_model_get_vocab(self._model)
@@ -172,10 +176,35 @@ class LlamaTarget(TokenizerSide):
         self.model = None  # no transformers model: `-md target` and training need --backend torch
         self.weights = "gguf"
         self._load_tokenizer(tokenizer)
+        self.repack = "on" if self.repack_mib else "off"
+        if repack == "auto" and self.repack_mib and self._repack_drifts():
+            # the repacked kernels round a verify row otherwise than a one-token step on this
+            # CPU and weight type: lossless drafting needs them equal, so load the plain layout
+            self._reload_without_repack()
+            self.repack = "off (repacked kernels changed verify rows here)"
         if warn:
-            log.info("target %s on llama.cpp (%s): %d layers, hidden %d, vocab %d, %d threads, KV %s",
-                     self.name, b.version, self.num_layers, self.hidden_size, self.vocab_size, threads,
-                     "/".join(self.cache_types))
+            log.info("target %s on llama.cpp (%s): %d layers, hidden %d, vocab %d, %d threads, KV %s; %s; "
+                     "repacked weights: %s", self.name, b.version, self.num_layers, self.hidden_size,
+                     self.vocab_size, threads, "/".join(self.cache_types), b.cpu.describe(),
+                     f"{self.repack} ({self.repack_mib:.0f} MiB)" if self.repack_mib else self.repack)
+
+    def _repack_drifts(self) -> bool:
+        """True where a verify block of any size 2..16 differs from one-token steps with the
+        repacked weights (checked at 2, 5 and 16 rows: a 4-row kernel's tail, the tiled path)."""
+        return any(self.verify_drift(k) > 0 for k in (2, 5, 16))
+
+    def _reload_without_repack(self) -> None:
+        lib = self._b.api
+        self.__dict__.pop("_drift", None)
+        lib.llama_free(self._ctx)
+        self._ctx = None
+        lib.llama_model_free(self._model)
+        self._model, self.repack_mib = self._b.load_model(self.path, False)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports)")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self._live.clear()
+        self._make_context(self.n_seq_max)
 
     def _make_context(self, n_seq_max: int) -> None:
         lib = self._b.api
