@@ -75,8 +75,10 @@ from __future__ import annotations
 
 import math
 
-#: ``--spec-dm-controller`` values: ``profit`` = :class:`ProfitController`, ``off`` = fixed depth
-CONTROLLERS = ("profit", "off")
+#: ``--spec-dm-controller`` values: ``cost`` = :class:`ProfitController` on the measured cost
+#: table with per-draft cuts by the drafter's confidence, ``profit`` = the same controller on
+#: online step times only, ``off`` = fixed depth
+CONTROLLERS = ("cost", "profit", "off")
 
 
 class ProfitController:
@@ -98,6 +100,11 @@ class ProfitController:
         cost_decay: same for step times (memory ≈ 1/decay steps at that depth).
         prior_acceptance: α_1 before any data.
         prior_weight: pseudo-tests of each position's prior (its neighbour's rate).
+        verify_costs: ``[c_v(0), ..., c_v(n_max)]`` [s]: the measured cost of a target call of
+            d + 1 rows (:meth:`flashdraft.costs.CostTable.verify_seconds`). With it the cost
+            curve is that table plus what a step adds on top (drafter, loop), measured online
+            as one offset for plain steps and one for drafted steps; no warm-up is needed for
+            costs. Without it, costs are measured per depth and interpolated.
 
     Raises:
         ValueError: ``n_max < 1`` or a setting out of range.
@@ -109,7 +116,8 @@ class ProfitController:
 
     def __init__(self, n_max: int, *, margin: float = 0.03, probe_every: int = 64, max_backoff: int = 4,
                  off_probe_depth: int = 4, acceptance_decay: float = 0.02, cost_decay: float = 0.1,
-                 prior_acceptance: float = 0.5, prior_weight: float = 1.0):
+                 prior_acceptance: float = 0.5, prior_weight: float = 1.0,
+                 verify_costs: list[float] | None = None):
         if n_max < 1:
             raise ValueError(f"n_max must be >= 1, got {n_max}")
         if not (0 <= margin < 1 and probe_every >= 1 and max_backoff >= 1 and off_probe_depth >= 1
@@ -121,6 +129,9 @@ class ProfitController:
         self.off_probe_depth = min(off_probe_depth, n_max)
         self.acceptance_decay, self.cost_decay = acceptance_decay, cost_decay
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        if verify_costs is not None and len(verify_costs) < n_max + 1:
+            raise ValueError(f"verify_costs needs {n_max + 1} entries (depths 0..{n_max}), got {len(verify_costs)}")
+        self.verify_costs = None if verify_costs is None else list(verify_costs[: n_max + 1])
         self.reset()
 
     def reset(self) -> None:
@@ -137,6 +148,14 @@ class ProfitController:
         self._n_probes = 0
         self._backoff = 1
         self._probing = False
+        self.overhead = [0.0, 0.0]  # [s] EW mean of (step time - verify_costs) at d = 0 and d >= 1
+        self._overhead_n = [0, 0]
+        self.calib_tested = [0.0] * self.CONF_BINS  # confidence calibration (cut())
+        self.calib_passed = [0.0] * self.CONF_BINS
+        self._conf: list[float] | None = None  # the confidences of the draft cut last
+        self.cuts = 0  # steps whose draft cut() shortened
+        self.predicted_tokens = 0.0  # Σ E(d) of the steps cut() chose, and their measured tokens
+        self.measured_tokens = 0
 
     # ---- estimates ---------------------------------------------------------------------
 
@@ -171,6 +190,8 @@ class ProfitController:
         nearest measured depths, or extended with the slope of the nearest segment (flat
         when only one depth is measured: optimistic, it invites exploring).
         """
+        if self.verify_costs is not None:
+            return [c + self.overhead[min(d, 1)] for d, c in enumerate(self.verify_costs)]
         known = [d for d in range(self.n_max + 1) if self.cost_n[d]]
         if not known:
             return None
@@ -238,6 +259,19 @@ class ProfitController:
             self.tested[k] = f * self.tested[k] + 1.0
             self.passed[k] = f * self.passed[k] + float(k < n_accepted)
             self._last_test[k] = self.steps
+        if self._conf is not None:  # calibration: each tested position's confidence bin
+            for k, c in enumerate(self._conf[: min(depth, n_accepted + 1)]):
+                b = self._bin(c)
+                self.calib_tested[b] = keep * self.calib_tested[b] + 1.0
+                self.calib_passed[b] = keep * self.calib_passed[b] + float(k < n_accepted)
+            self.measured_tokens += n_accepted + 1
+            self._conf = None
+        if self.verify_costs is not None and self._seen[depth]:  # what a step adds to the table
+            i, extra = min(depth, 1), seconds - self.verify_costs[depth]
+            n, mean = self._overhead_n[i], self.overhead[i]
+            x = min(extra, 4.0 * abs(mean) + 1e-3) if n >= 3 else extra
+            self.overhead[i] = mean + max(self.cost_decay, 1.0 / (n + 1)) * (x - mean)
+            self._overhead_n[i] = n + 1
         # cost: skip the first step at a depth (one-time work), clip stalls, then EW mean
         if self._seen[depth]:
             n, mean = self.cost_n[depth], self.cost_mean[depth]
@@ -254,6 +288,55 @@ class ProfitController:
                 self._backoff = min(2 * self._backoff, self.max_backoff)
         else:
             self._since_probe += 1
+
+    #: confidence bins of the calibration (cut())
+    CONF_BINS = 10
+    #: pseudo-tests of each bin's prior (its own centre: a calibrated drafter)
+    CONF_PRIOR_WEIGHT = 2.0
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.CONF_BINS - 1, max(0, int(confidence * self.CONF_BINS)))
+
+    def calibrated(self, confidence: float) -> float:
+        """P(a draft token is accepted | the ones before it were, the drafter gave it
+        ``confidence``): the measured acceptance of that confidence bin, shrunk towards the
+        bin's centre (a calibrated drafter's rate) with :data:`CONF_PRIOR_WEIGHT` tests."""
+        b = self._bin(confidence)
+        prior = (b + 0.5) / self.CONF_BINS
+        w = self.CONF_PRIOR_WEIGHT
+        return (self.calib_passed[b] + w * prior) / (self.calib_tested[b] + w)
+
+    def cut(self, confidence: list[float]) -> int:
+        """How many of a draft's tokens to verify: the prefix length d maximising expected
+        tokens per second, ``E(d) / c(d)``, with this draft's own acceptance chances
+        (:meth:`calibrated` of the drafter's confidence per position) in ``E(d)``.
+
+        The draft is already paid for, so every length is charged the drafted steps' online
+        overhead. 0 means verify the anchor alone. Only with ``verify_costs`` (the ``cost``
+        controller); without, the draft is kept whole.
+        """
+        if self.verify_costs is None:  # the ``profit`` controller: depth by position only
+            return len(confidence)
+        if not confidence:
+            return 0
+        if self._probing:  # a probe verifies the whole draft: it refreshes bins a cut never tests
+            self._conf = list(confidence)
+            return len(confidence)
+        costs = self.cost_curve()
+        sunk = self.overhead[1] - self.overhead[0]  # the draft's own cost, paid already
+        best, best_v, e, s, curve = 0, 1.0 / (costs[0] + max(sunk, 0.0)), 1.0, 1.0, [1.0]
+        for d, c in enumerate(confidence[: self.n_max], start=1):
+            s *= self.calibrated(c)
+            e += s
+            curve.append(e)
+            v = e / costs[d]
+            if v > best_v:
+                best, best_v = d, v
+        if best < len(confidence):
+            self.cuts += 1
+        self._conf = list(confidence[:best])
+        self.predicted_tokens += curve[best]
+        return best
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -287,6 +370,10 @@ class ProfitController:
             "expected_tokens": [round(e, 4) for e in self.expected_tokens_curve()],
             "cost_ms": None if costs is None else [round(1e3 * c, 3) for c in costs],
             "tokens_per_second": None if speeds is None else [round(v, 3) for v in speeds],
+            "overhead_ms": [round(1e3 * x, 3) for x in self.overhead] if self.verify_costs is not None else None,
+            "calibration": [round(self.calibrated((b + 0.5) / self.CONF_BINS), 3) for b in range(self.CONF_BINS)],
+            "cuts": self.cuts,
+            "cut_tokens_predicted_vs_measured": [round(self.predicted_tokens, 1), self.measured_tokens],
         }
 
 
@@ -309,13 +396,18 @@ class SourcedController:
 
     name = "profit"
 
-    def __init__(self, n_max: int, sources: tuple[str, ...], caps: dict[str, int] | None = None, **kw):
+    def __init__(self, n_max: int, sources: tuple[str, ...], caps: dict[str, int] | None = None,
+                 verify_costs: list[float] | None = None, **kw):
         if not sources:
             raise ValueError("SourcedController needs at least one source")
         self.n_max = n_max
         caps = caps or {}
         # a source that cannot draft past its own limit (a DFlash block) is controlled up to there only
-        self.controllers = {s: ProfitController(max(1, min(n_max, caps.get(s, n_max))), **kw) for s in sources}
+        self.controllers = {}
+        for s in sources:
+            n = max(1, min(n_max, caps.get(s, n_max)))
+            self.controllers[s] = ProfitController(n, verify_costs=None if verify_costs is None else verify_costs[: n + 1],
+                                                   **kw)
         self._last = self.controllers[sources[0]]
 
     def pick(self, candidates: tuple[str, ...]) -> str:
@@ -366,17 +458,24 @@ class SourcedController:
 
 
 def make_controller(kind: str, n_max: int, sources: tuple[str, ...] = (),
-                    caps: dict[str, int] | None = None) -> ProfitController | SourcedController | None:
+                    caps: dict[str, int] | None = None,
+                    verify_costs: list[float] | None = None) -> ProfitController | SourcedController | None:
     """The controller ``--spec-dm-controller kind`` asks for; None for ``off`` (fixed depth).
 
     Args:
         sources: the drafter's sources when it has several (the hybrid): one controller each.
         caps: per source, its longest draft when shorter than ``n_max`` (the hybrid's DFlash block).
+        verify_costs: for ``cost``: ``[c(0), ..., c(n_max)]`` [s], a verify call of d + 1 rows
+            (:meth:`flashdraft.costs.CostTable.verify_seconds`); ignored by ``profit``.
     Raises:
-        ValueError: unknown ``kind``.
+        ValueError: unknown ``kind``, or ``cost`` without ``verify_costs``.
     """
     if kind == "off":
         return None
-    if kind == "profit":
-        return SourcedController(n_max, sources, caps) if len(sources) > 1 else ProfitController(n_max)
+    if kind in ("profit", "cost"):
+        if kind == "cost" and verify_costs is None:
+            raise ValueError("the cost controller needs the measured verify costs")
+        vc = verify_costs if kind == "cost" else None
+        return (SourcedController(n_max, sources, caps, verify_costs=vc) if len(sources) > 1
+                else ProfitController(n_max, verify_costs=vc))
     raise ValueError(f"unknown --spec-dm-controller {kind!r}; choose from {', '.join(CONTROLLERS)}")

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 
+from flashdraft.adaptive import CONTROLLERS
 from flashdraft.device import add_device_argument
 
 #: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
@@ -38,9 +39,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafting method (default: dflash with -md, else none; dflash/hybrid without -md "
                         "use the shipped drafter of the packaged model)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, help="max draft tokens per step (default: 16)")
-    p.add_argument("--spec-dm-controller", choices=["profit", "off"], default="profit",
-                   help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
-                        "does not pay; off = always --spec-draft-n-max (default: profit)")
+    p.add_argument("--spec-dm-controller", choices=CONTROLLERS, default="profit",
+                   help="draft length: cost = the depth with the most expected tokens per ms by the cost of a "
+                        "k-row verify measured at load, each draft cut where the drafter's own confidence "
+                        "stops paying; profit = the same by online step times only; both turn drafting off "
+                        "when it does not pay; off = always --spec-draft-n-max (default: profit)")
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
     add_drafter_arguments(p)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.adaptive import make_controller
+from flashdraft import costs
+from flashdraft.adaptive import CONTROLLERS, make_controller
 from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
 from flashdraft.drafters.base import Drafter, NoDrafter
@@ -127,7 +128,8 @@ class EngineConfig:
         if self.draft_dtype != "auto" and self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"unknown --spec-draft-dtype {self.draft_dtype!r}; choose from auto, "
                              f"{', '.join(DRAFT_DTYPES)}")
-        make_controller(self.controller, 1)
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"unknown --spec-dm-controller {self.controller!r}; choose from {', '.join(CONTROLLERS)}")
         self.kv_spec()
         self.kv_spec(draft=True)
         device = device or resolve_device(self.device)  # DeviceUnavailableError (a ValueError) when absent
@@ -347,19 +349,31 @@ def load_engine_target(cfg: EngineConfig):
                        n_seq=cfg.n_parallel, kv=kv)
 
 
-def drafter_controller(kind: str, drafter: Drafter, n_draft: int):
+def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
     """The depth controller ``kind`` (``--spec-dm-controller``: ``profit`` | ``off``) for
     ``drafter`` drafting at most ``n_draft`` tokens (and at most the drafter's own
     ``max_draft``); a mixed-source drafter (the hybrid) gets one controller per source.
     None when nothing is drafted (plain decoding or ``n_draft`` 0).
 
+    ``cost`` measures (or reads from its cache) what a target call of 1..n_max+1 rows costs
+    on ``target`` (:func:`flashdraft.costs.load_or_measure`): call it after the target's
+    threads are set.
+
     Raises:
-        ValueError: an unknown controller.
+        ValueError: an unknown controller, or ``cost`` without a target.
     """
     if isinstance(drafter, NoDrafter) or n_draft <= 0:
         return None
     n_max = n_draft if drafter.max_draft is None else min(n_draft, drafter.max_draft)
-    return make_controller(kind, n_max, getattr(drafter, "SOURCES", ()), getattr(drafter, "source_max_draft", None))
+    verify_costs = None
+    if kind == "cost":
+        if target is None:
+            raise ValueError("the cost controller measures the target: pass it")
+        table = costs.load_or_measure(target, k_max=n_max + 1)
+        log.info("%s", table.describe())
+        verify_costs = table.verify_seconds(n_max)
+    return make_controller(kind, n_max, getattr(drafter, "SOURCES", ()), getattr(drafter, "source_max_draft", None),
+                           verify_costs)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -383,10 +397,10 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     if target_backend(target) == "llama":  # its context holds K/V of the types it was made with
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
-    controller = drafter_controller(cfg.controller, drafter, cfg.n_draft)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     if hasattr(target, "set_step_threads"):  # llama: plain decoding steps on every thread, drafting on one
         target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)
+    controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
     if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
         drift = target.verify_drift()
         if drift:

@@ -406,6 +406,9 @@ class Sequence:
         t.draft_ms += 1e3 * (time.perf_counter() - self._t0)
         self._drafts = (self._draft.tokens[:room] if self._draft is not None
                         else torch.empty(0, dtype=torch.long, device=HOST))
+        if self._ctrl is not None and self._draft is not None and self._draft.confidence is not None:
+            # the drafter's own confidence says where this draft stops paying (adaptive.py, cut)
+            self._drafts = self._drafts[: self._ctrl.cut(self._draft.confidence[: self._drafts.shape[0]])]
         if self.constraint is not None and self._drafts.numel():
             self._drafts = self._drafts[: self._grammar_prefix(self._drafts.tolist())]
         # 3. verify: one target forward over [anchor, drafts]

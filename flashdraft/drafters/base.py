@@ -24,10 +24,15 @@ class Draft:
         tokens: ``[n]`` int64 draft tokens (n may be 0), on the host (see :mod:`flashdraft.device`).
         probs: ``[n, V]`` drafter distributions the tokens were sampled from, or None when
             the draft is deterministic (treated as one-hot by verify); on the target's device.
+        confidence: ``[n]`` float, the drafter's own probability of each of its tokens (a
+            DFlash drafter's softmax), or None where the drafter has none (prompt lookup); the
+            depth controller cuts the draft where the expected tokens per millisecond peak
+            (:meth:`flashdraft.adaptive.ProfitController.cut`). Never changes what is accepted.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
     @classmethod
     def empty(cls) -> "Draft":

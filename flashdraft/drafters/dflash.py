@@ -572,18 +572,22 @@ class DFlashDrafter(Drafter):
         #    (the draft ids go to the host: the verify input and the stop rules are built there)
         if params.greedy:
             idx = torch.argmax(logits, dim=-1)
-            if self.p_min > 0:  # the drafter's probability of each argmax, under its own softmax
-                idx = idx[: confident_prefix(torch.softmax(logits, -1).gather(1, idx[:, None])[:, 0], self.p_min)]
-            return Draft((idx if self.d2t is None else self.d2t[idx]).to(HOST))
+            # the drafter's probability of each argmax, under its own softmax
+            conf = torch.softmax(logits, -1).gather(1, idx[:, None])[:, 0]
+            if self.p_min > 0:
+                idx = idx[: confident_prefix(conf, self.p_min)]
+            return Draft((idx if self.d2t is None else self.d2t[idx]).to(HOST), confidence=conf[: idx.shape[0]].tolist())
         q = filtered_probs(logits, params)
         idx = sample(q, generator)
+        conf = q.gather(1, idx[:, None])[:, 0]
         if self.p_min > 0:
-            keep = confident_prefix(q.gather(1, idx[:, None])[:, 0], self.p_min)
+            keep = confident_prefix(conf, self.p_min)
             idx, q = idx[:keep], q[:keep]
+        conf = conf[: idx.shape[0]].tolist()
         if self.d2t is None:
-            return Draft(idx.to(HOST), q)
-        full = q.new_zeros(n, self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
-        return Draft(self.d2t[idx].to(HOST), full)
+            return Draft(idx.to(HOST), q, conf)
+        full = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.d2t, q)  # q over target ids
+        return Draft(self.d2t[idx].to(HOST), full, conf)
 
 
     def _selected(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from flashdraft.adaptive import CONTROLLERS
 from flashdraft.argtypes import positive_int
 from flashdraft.cli import add_cache_arguments
 from flashdraft.server import limits, llama_flags
@@ -44,9 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "model; dflash/hybrid without -md use the shipped drafter of the packaged model)")
     m.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", dest="spec_draft_n_max",
                    type=positive_int, default=16, help="draft tokens per step (default: 16)")
-    m.add_argument("--spec-dm-controller", choices=("profit", "off"), default="profit",
-                   help="draft length: profit = adaptive depth for the most tokens/s, drafting off when it "
-                        "does not pay; off = always --spec-draft-n-max (default: profit)")
+    m.add_argument("--spec-dm-controller", choices=CONTROLLERS, default="profit",
+                   help="draft length: cost = the depth with the most expected tokens per ms by the cost of a "
+                        "k-row verify measured at load, each draft cut where the drafter's own confidence "
+                        "stops paying; profit = the same by online step times only; both turn drafting off "
+                        "when it does not pay; off = always --spec-draft-n-max (default: profit)")
     m.add_argument("--spec-dflash-cross-ctx", type=positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
     add_drafter_arguments(m)
