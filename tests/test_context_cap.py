@@ -46,3 +46,12 @@ def test_a_prompt_beyond_the_context_is_still_a_400(url):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["n_ctx"] == CTX, err
+
+
+def test_the_context_size_is_in_models_and_props_as_llama_server_says_it(url):
+    """``/v1/models`` ``data[].meta`` (``n_ctx_train``, ``n_ctx``, ``n_embd``...) and
+    ``/props`` ``default_generation_settings.n_ctx``, as llama-server reports them."""
+    meta = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["meta"]
+    assert meta["n_ctx"] == CTX and meta["n_ctx_train"] == 512 and meta["n_embd"] == 64 and meta["n_vocab"] == 64
+    props = httpx.get(url + "/props", timeout=30).json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX

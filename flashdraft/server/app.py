@@ -208,11 +208,15 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models() -> Response:
-        """The one served model (OpenAI list shape, plus llama-server's ``models``)."""
+        """The one served model (OpenAI list shape, plus llama-server's ``models``); its
+        ``meta`` carries the context sizes as llama-server's does (``n_ctx_train``, the
+        model's training context, and ``n_ctx``, what a slot holds here), so a client can
+        size its prompts."""
         state.require_ready()
         target = state.generator.target
         meta = {"n_ctx": state.generator.ctx_size, "n_vocab": target.vocab_size,
                 "n_ctx_train": getattr(target.config, "max_position_embeddings", None),
+                "n_embd": target.hidden_size,
                 "spec_type": settings.spec_type, "drafter": state.generator.drafter.name}
         entry = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "flashdraft",
                  "aliases": settings.aliases() or [state.model_id], "tags": settings.tags, "meta": meta}
