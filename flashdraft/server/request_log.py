@@ -6,6 +6,9 @@ generation, its prompt-eval and eval speed and (when drafting) the draft accepta
     slot 0:        eval time =   1467.30 ms /    48 tokens (   31.22 ms per token,    32.03 tokens per second)
     slot 0:       total time =   1528.32 ms /    82 tokens
     slot 0: draft acceptance rate = 0.41176 (   28 accepted /    68 drafted), tau 1.58, mean depth 3.2
+    request: POST /v1/messages 400 2.1 ms: messages.0.role must be 'user', 'assistant' or 'system', got 'tool'
+
+A refused or failed request's line ends with the error's message (JSON: a ``reason`` field).
 
 The figures are the response's ``timings`` (:meth:`flashdraft.generate.Timings.to_dict`), not
 a second measurement. On by default at INFO (logger ``flashdraft.request``); ``--log-disable``
@@ -78,10 +81,16 @@ def setup_logging(timestamps: bool = False, prefix: bool = False, verbose: bool 
     logging.basicConfig(level=level, handlers=handlers)
 
 
+#: bytes of an error body kept to find its reason (error bodies are a few hundred bytes)
+REASON_BYTES = 8192
+
+
 class RequestLogMiddleware:
     """Pure ASGI middleware (does not wrap ``receive``: streaming and disconnect detection
     behave as without it): logs ``METHOD PATH STATUS MS`` once the response has ended (a
-    stream: after its last event), or ``STATUS 0`` if the client left before any answer."""
+    stream: after its last event), or ``STATUS 0`` if the client left before any answer.
+    A 4xx/5xx line ends with the error's message, read from the body sent (every API's error
+    shape has ``error.message``), so whoever reads the log sees why without the client's copy."""
 
     def __init__(self, app):
         self.app = app
@@ -91,26 +100,49 @@ class RequestLogMiddleware:
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         status = 0
+        body = bytearray()
 
         async def sending(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < REASON_BYTES:
+                body.extend(message.get("body", b"")[: REASON_BYTES - len(body)])
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            request(scope.get("method", ""), scope.get("path", ""), status, 1e3 * (time.perf_counter() - t0))
+            request(scope.get("method", ""), scope.get("path", ""), status, 1e3 * (time.perf_counter() - t0),
+                    reason=error_reason(bytes(body)) if status >= 400 else None)
 
 
-def request(method: str, path: str, status: int, ms: float) -> None:
-    """Log one HTTP request: ``request: POST /completion 200 812.3 ms``."""
-    level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+def error_reason(body: bytes) -> str | None:
+    """``error.message`` of an error body (OpenAI's, llama-server's and Anthropic's shapes),
+    else its text; None for an empty body."""
+    if not body:
+        return None
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    except (ValueError, AttributeError):
+        pass
+    return body.decode("utf-8", "replace").strip()[:500] or None
+
+
+def request(method: str, path: str, status: int, ms: float, reason: str | None = None) -> None:
+    """Log one HTTP request: ``request: POST /completion 200 812.3 ms``; a failed one with
+    its reason: ``request: POST /v1/messages 400 2.1 ms: messages.0.role must be ...``."""
+    level = logging.DEBUG if path in QUIET_PATHS else logging.INFO  # 503s while loading too: polled
     if log.isEnabledFor(level):
-        log.log(level, "request: %s %s %d %.1f ms", method, path, status, ms,
-                extra={"fields": {"event": "request", "method": method, "path": path, "status": status,
-                                  "ms": round(ms, 3)}})
+        fields = {"event": "request", "method": method, "path": path, "status": status, "ms": round(ms, 3)}
+        if reason:
+            fields["reason"] = reason
+        log.log(level, "request: %s %s %d %.1f ms" + (": %s" if reason else ""), method, path, status, ms,
+                *([reason] if reason else []), extra={"fields": fields})
 
 
 def generation(timings: dict, slot: int = 0, finish_reason: str | None = None) -> None:
