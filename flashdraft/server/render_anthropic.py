@@ -9,8 +9,15 @@ block ``content_block_start`` / ``content_block_delta`` (``text_delta``, or
 (stop reason, usage) and ``message_stop``; each event named in an ``event:`` line, as the
 ``anthropic`` SDK reads them.
 
-As llama-server, these answers carry no ``timings`` (its own tests check that they do not);
-the server's request log shows each request's speed and draft acceptance.
+``message_start`` and ``message_delta`` carry the same input counts (``input_tokens``
+prefilled, ``cache_read_input_tokens`` from the prompt cache: the prompt's split is known
+when its first step arrives), and ``message_delta``'s ``output_tokens`` the answer's.
+
+``timings`` (llama-server's, with the draft counters) ride on the stream's ``message_delta``,
+the event that ends the answer with its usage (the ``anthropic`` SDK ignores the extra field).
+The non-streamed ``message`` and ``message_stop`` carry none, as llama-server: its own tests
+check that they do not (``test_compat_anthropic.py``). The server's request log shows every
+request's speed and draft acceptance.
 
 Source: Anthropic, "Messages" and "Streaming Messages" API references.
 """
@@ -22,7 +29,7 @@ import uuid
 
 from fastapi.responses import JSONResponse
 
-from flashdraft.generate import Step
+from flashdraft.generate import Step, Timings
 from flashdraft.server.errors import APIError
 from flashdraft.server.render_base import Completion, RenderContext, ResponseMeta, StreamFormat, sse, stop_details
 from flashdraft.server.tools import CallSniffer, parse_calls
@@ -58,14 +65,15 @@ class MessagesRenderer:
         kind, word = stop_details(self.ctx.state.prompts.decode, c, self.ctx.jobs[0].stop)
         return {"limit": ("max_tokens", None), "word": ("stop_sequence", word)}.get(kind, ("end_turn", None))
 
-    def usage(self, c: Completion | None) -> dict:
-        """Anthropic ``usage``; before the answer (``c`` None) the whole prompt counts as input."""
-        if c is None:
+    def usage(self, t: Timings | None, output: bool = True) -> dict:
+        """Anthropic ``usage`` from a generation's timings (its running copy at the first
+        step, or the final one); ``output`` False: before the answer, no output yet. Without
+        timings, the whole prompt counts as input."""
+        if t is None:
             return {"input_tokens": len(self.ctx.jobs[0].prompt_ids), "output_tokens": 0,
                     "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        t = c.timings
-        return {"input_tokens": t.prompt_n, "output_tokens": t.predicted_n, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": t.cache_n}
+        return {"input_tokens": t.prompt_n, "output_tokens": t.predicted_n if output else 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": t.cache_n}
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
         return {"id": self.meta.id, "type": "message", "role": "assistant", "model": self.meta.model,
@@ -75,7 +83,7 @@ class MessagesRenderer:
         c = results[0]
         calls = parse_calls(c.text) if self.tools else None
         content = [tool_use_block(call) for call in calls] if calls else [{"type": "text", "text": c.text}]
-        return self.message(content, self.stop(c, bool(calls)), self.usage(c))
+        return self.message(content, self.stop(c, bool(calls)), self.usage(c.timings))
 
     def stream(self) -> StreamFormat:
         return MessagesStream(self)
@@ -103,8 +111,9 @@ class MessagesStream(StreamFormat):
     def event(self, obj: dict) -> bytes:
         return sse(obj, event=obj["type"])
 
-    def start(self) -> list[bytes]:
-        return [self.event({"type": "message_start", "message": self.r.message([], (None, None), self.r.usage(None))})]
+    def start(self, first: Step | None = None) -> list[bytes]:
+        usage = self.r.usage(first.progress if first is not None else None, output=False)
+        return [self.event({"type": "message_start", "message": self.r.message([], (None, None), usage)})]
 
     def _text(self, text: str) -> list[bytes]:
         out = []
@@ -139,7 +148,7 @@ class MessagesStream(StreamFormat):
             self.index += 1
         reason, word = self.r.stop(c, bool(calls))
         out.append(self.event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": word},
-                               "usage": self.r.usage(c)}))
+                               "usage": self.r.usage(c.timings), "timings": self.r.ctx.timings(c)}))
         out.append(self.event({"type": "message_stop"}))
         return out
 

@@ -91,8 +91,9 @@ class StreamFormat:
             chunk["timings"] = self.per_token(step.progress)
         return chunk
 
-    def start(self) -> list[bytes]:
-        """Events before the first text."""
+    def start(self, first: Step | None = None) -> list[bytes]:
+        """Events before the first text; ``first`` is the first step (its ``progress`` says
+        how much of the prompt was prefilled and how much came from the prompt cache)."""
         return []
 
     def delta(self, step: Step) -> bytes | None:

@@ -107,7 +107,7 @@ class ChatStream(StreamFormat):
         self.meta, self.ctx, self.logprobs, self.tools = meta, ctx, logprobs, tools
         self.sniffer = CallSniffer(tools)
 
-    def start(self) -> list[bytes]:
+    def start(self, first: Step | None = None) -> list[bytes]:
         return [sse(chat_chunk(self.meta, {"role": "assistant", "content": None}))]
 
     def delta(self, step: Step) -> bytes | None:

@@ -110,7 +110,7 @@ class ResponsesStream(StreamFormat):
             obj = self.tag(obj, step)
         return sse(obj, event=obj["type"])
 
-    def start(self) -> list[bytes]:
+    def start(self, first: Step | None = None) -> list[bytes]:
         pending = self.r.response([], None, "in_progress")
         return [self.event({"type": "response.created", "response": pending}),
                 self.event({"type": "response.in_progress", "response": pending})]

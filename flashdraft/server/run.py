@@ -127,7 +127,7 @@ async def _sse_body(ticket: Ticket, first: Step, events: AsyncIterator[Step], fm
                     observe: Callable[[str, Completion | None], None]) -> AsyncIterator[bytes]:
     c, parts, status, done = Completion(), [], "ok", None
     try:
-        for event in fmt.start():
+        for event in fmt.start(first):
             yield event
         step = first
         while True:
