@@ -37,7 +37,7 @@ def with_verbose(body: dict, ctx: RenderContext, c: Completion) -> dict:
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, c: Completion, timings: dict) -> dict:
-    """The stream's last chunk, after the one with ``finish_reason``: no choices, ``usage``
+    """A chat stream's last chunk, after the one with ``finish_reason``: no choices, ``usage``
     and ``timings`` (llama-server sends it with or without ``stream_options.include_usage``;
     OpenAI's clients read usage from it)."""
     return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
@@ -192,7 +192,12 @@ class CompletionStream(StreamFormat):
         return sse(self.tag(completion_chunk(self.meta, step.text, logprobs=lps), step))
 
     def end(self, step: Step, c: Completion) -> list[bytes]:
+        """The last text, then one chunk with the ``finish_reason``, ``usage`` and ``timings``:
+        as llama-server ends a ``/v1/completions`` stream, every chunk has a choice (the
+        ``openai`` client's users read ``chunk.choices[0]`` on each, as llama.cpp's
+        ``test_completion_stream_with_openai_library`` does)."""
         out = [e for e in [self.delta(step)] if e is not None]
-        out.append(sse(completion_chunk(self.meta, "", c.finish_reason)))
-        out.append(sse(usage_chunk(self.meta, "text_completion", c, self.ctx.timings(c))))
+        last = completion_chunk(self.meta, "", c.finish_reason)
+        last.update(usage=usage(c.timings), timings=self.ctx.timings(c))
+        out.append(sse(last))
         return out + [SSE_DONE]
