@@ -35,9 +35,11 @@ llama:
 	  || scripts/build_llama.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION)
 	$(BIN)/python -m flashdraft.targets.binding
 
-# drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server)
+# drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server);
+# these flags are the bench's `default` configuration (flashdraft/bench/contender.py SERVE_DEFAULT)
+SERVE_FLAGS := --spec-type hybrid --spec-dm-controller cost -t 2
 serve: setup
-	$(BIN)/flashdraft serve --spec-type dflash $(ARGS)
+	$(BIN)/flashdraft serve $(SERVE_FLAGS) $(ARGS)
 
 # the llama-server peers (`flashdraft bench --peers llama-server`): llama-server built from the
 # llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON_VERSION) vendors (the llama backend's sources), with the

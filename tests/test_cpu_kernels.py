@@ -46,10 +46,12 @@ def _site_packages() -> str:
     return str(Path(llama_cpp.__file__).parent.parent)
 
 
-def _choice(env: dict | None = None, emulate: str | None = None) -> subprocess.CompletedProcess:
-    """Run cpu_backend.py as a script (stdlib only: cheap under emulation)."""
+def _choice(env: dict | None = None, emulate: str | None = None, *args: str) -> subprocess.CompletedProcess:
+    """Run cpu_backend.py as a script (stdlib and llama_cpp only: cheap under emulation)."""
     py = os.path.realpath(sys.executable)
-    cmd = [py, str(SCRIPT)] if emulate is None else [shutil.which("qemu-x86_64"), "-cpu", emulate, py, str(SCRIPT)]
+    cmd = [py, str(SCRIPT), *args]
+    if emulate is not None:
+        cmd = [shutil.which("qemu-x86_64"), "-cpu", emulate, *cmd]
     full = dict(os.environ, PYTHONPATH=_site_packages(), **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=300)
 
@@ -96,6 +98,25 @@ def test_an_emulated_older_cpu_gets_the_variant_it_can_run(cpu, want):
     out = _choice(emulate=cpu)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"CPU backend: {want} (ggml's pick" in out.stdout
+
+
+@pytest.mark.real
+def test_an_emulated_avx2_cpu_decodes_like_the_haswell_variant_here():
+    """The whole decode path (model load with repacked weights, matmuls, attention) runs on
+    an emulated AVX2-only CPU without an illegal instruction, and gives the ids this machine
+    gets from the same variant (QEMU emulates the instructions exactly)."""
+    _need_binding()
+    _need_qemu()
+    from flashdraft.target import default_model_path
+
+    model = str(default_model_path())
+    emulated = _choice(None, "Haswell", "--decode", model)
+    assert emulated.returncode == 0, emulated.stderr[-2000:]
+    native = _choice({cpu_backend.VARIANT_ENV: "haswell"}, None, "--decode", model)
+    assert native.returncode == 0, native.stderr[-2000:]
+    ids = [line for line in emulated.stdout.splitlines() if line.startswith("decoded")]
+    assert ids and ids == [line for line in native.stdout.splitlines() if line.startswith("decoded")]
+    assert "CPU backend: haswell (ggml's pick" in emulated.stdout
 
 
 def test_a_forced_variant_and_an_unknown_one():

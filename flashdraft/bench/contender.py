@@ -8,8 +8,8 @@ from flashdraft.bench.measure import Generation
 from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
-ALL_CONFIGS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
-               "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
+ALL_CONFIGS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+               "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
                "zlab", "zlab-dflash")
@@ -19,8 +19,16 @@ OWN_PLAIN = {"llamacpp-lookup": "llamacpp", "llama-server-lookup": "llama-server
              "llama-server-dflash": "llama-server", "zlab-dflash": "zlab", "hf-lookup": "hf", "hf-dflash": "hf",
              "hf-draft": "hf"}
 
+#: what ``make serve`` runs (the Makefile's serve line passes these flags; a test holds them equal):
+#: the ``default`` configuration of the bench
+SERVE_DEFAULT = "hybrid-cost"
+
 DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
+    "default": f"flashdraft as `make serve` runs it ({SERVE_DEFAULT})",
+    "dflash-cost": "flashdraft, DFlash drafter, cost controller (measured verify costs, drafts cut by confidence)",
+    "ngram-cost": "flashdraft, prompt lookup, cost controller (measured verify costs)",
+    "hybrid-cost": "flashdraft, hybrid, cost controller (measured verify costs, DFlash drafts cut by confidence)",
     "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
     "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
     "ngram": "flashdraft, prompt-lookup (n-gram) drafter, fixed draft length",
@@ -52,10 +60,23 @@ DESCRIPTIONS = {
 
 
 def adaptive_base(name: str) -> str | None:
-    """The spec type of an ``X-adaptive`` configuration (X under the ``profit`` controller), else None."""
-    head, sep, _ = name.rpartition("-adaptive")
-    return head if sep and not _ and head in ("dflash", "ngram", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
-                                                "hybrid-gated", "draft", "self-draft") else None
+    """The spec type of an ``X-adaptive`` (X under the ``profit`` controller) or ``X-cost``
+    configuration (the ``cost`` controller), else None."""
+    name = SERVE_DEFAULT if name == "default" else name
+    for suffix in ("-adaptive", "-cost"):
+        head, sep, rest = name.rpartition(suffix)
+        if sep and not rest and head in ("dflash", "ngram", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
+                                         "hybrid-gated", "draft", "self-draft"):
+            return head
+    return None
+
+
+def controller_of(name: str) -> str:
+    """The depth controller of configuration ``name``: ``cost``, ``profit`` or ``off``."""
+    name = SERVE_DEFAULT if name == "default" else name
+    if adaptive_base(name) is None:
+        return "off"
+    return "cost" if name.endswith("-cost") else "profit"
 
 
 def fixed_depth(name: str) -> int | None:
@@ -67,7 +88,12 @@ def fixed_depth(name: str) -> int | None:
 def describe(name: str) -> str:
     """One-line description of configuration ``name``."""
     n = fixed_depth(name)
-    return DESCRIPTIONS[name] if n is None else f"flashdraft, DFlash drafter, fixed draft length {n}"
+    if n is not None:
+        return f"flashdraft, DFlash drafter, fixed draft length {n}"
+    head, sep, threads = name.rpartition(" -t")  # a peer run at another thread count (--peer-threads)
+    if sep and threads.isdigit():
+        return f"{DESCRIPTIONS[head]}, {threads} thread(s)"
+    return DESCRIPTIONS[name]
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Our engine's configurations: ``none``, ``dflash``, ``ngram``, ``hybrid``, ``draft``, the
-``-adaptive`` forms (the ``profit`` depth controller) and ``dflash@N``.
+``-adaptive`` forms (the ``profit`` depth controller), the ``-cost`` forms (the ``cost``
+controller), ``default`` (what ``make serve`` runs) and ``dflash@N``.
 
 All of them share one loaded :class:`Target`; each has its own drafter and generator.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 import time
 
 from flashdraft.bench.constrained import TimedConstraint
-from flashdraft.bench.contender import BenchPrompt, Contender, Unavailable, adaptive_base, describe, fixed_depth
+from flashdraft.bench.contender import (BenchPrompt, Contender, Unavailable, adaptive_base, controller_of, describe,
+                                       fixed_depth)
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
 from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dflash_drafter, load_engine
@@ -17,9 +19,10 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
 
-OURS = ("none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
-        "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive",
-        "draft", "draft-adaptive", "self-draft", "self-draft-adaptive")
+OURS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+        "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix",
+        "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive", "draft", "draft-adaptive",
+        "self-draft", "self-draft-adaptive")
 #: target layers of ``self-draft`` when ``--self-draft-layers`` is not given
 SELF_DRAFT_LAYERS = 4
 #: the confidence gate of the ``-gated`` configurations when ``--spec-draft-p-min`` is not given
@@ -98,7 +101,8 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
             for the default target).
         self_draft_layers: N of ``self-draft`` (``-md self:N``).
     """
-    # plain names draft a fixed length; X-adaptive is X under the profit controller (what serve runs)
+    # plain names draft a fixed length; X-adaptive is X under the profit controller, X-cost under the
+    # cost controller; default is what `make serve` runs (contender.SERVE_DEFAULT)
     adaptive = adaptive_base(name)
     depth = fixed_depth(name)  # dflash@N: the same drafter at a fixed depth N
     kind = adaptive or ("dflash" if depth else name)
@@ -113,7 +117,7 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                        suffix_factor=base.suffix_factor, suffix_min_prob=base.suffix_min_prob,
                        n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
-                       ngram_min=base.ngram_min, draft_dtype=base.draft_dtype, controller="profit" if adaptive else "off",
+                       ngram_min=base.ngram_min, draft_dtype=base.draft_dtype, controller=controller_of(name),
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
                        kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)

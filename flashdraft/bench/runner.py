@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`draft`: the shipped AR drafter of the default target)")
     p.add_argument("--self-draft-layers", type=int, default=4, metavar="N",
                    help="target layers of the `self-draft` configurations (-md self:N)")
+    p.add_argument("--quant", default=None, metavar="TYPE",
+                   help="bench a requantisation of the target GGUF (llama.cpp's quantiser, --allow-requantize: "
+                        "Q4_0, Q4_K_M, Q8_0, BF16, ...) instead of the file itself, the same file for every engine; "
+                        "for measuring what a weight type costs (the copy is another model than the original)")
+    p.add_argument("--peer-threads", default=None, metavar="1,2",
+                   help="run the llama-server peers once per thread count listed (rows `llama-server -tN`); "
+                        "default: the bench's -t")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated configurations (default: all that can run here): {','.join(ALL_CONFIGS)}; "
                         "dflash@N = DFlash at a fixed depth of N drafts (several allowed)")
@@ -212,7 +219,14 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
             elif name in LLAMACPP_PEERS:
                 built = build_llamacpp(name, target, args.model, base, threads)
             elif name in LLAMA_SERVER_PEERS:  # failures come back as Unavailable with the error
-                built = build_llama_server(name, target, args.model, threads, base.ctx_size, dflash_path)
+                peer_threads = [int(x) for x in _split(args.peer_threads)] if args.peer_threads else [threads]
+                for n in peer_threads[:-1]:
+                    out.append(_renamed(build_llama_server(name, target, args.model, n, base.ctx_size, dflash_path),
+                                        f"{name} -t{n}"))
+                n = peer_threads[-1]
+                built = build_llama_server(name, target, args.model, n, base.ctx_size, dflash_path)
+                if args.peer_threads:
+                    built = _renamed(built, f"{name} -t{n}")
             elif name in ZLAB_PEERS:
                 built = build_zlab(name, target, args.model, dflash_path, Path(tempfile.mkdtemp(prefix="flashdraft-zlab-")))
             else:
@@ -224,6 +238,29 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
             built = Unavailable(name, "ours" if is_ours(name) else "peer", f"failed to load: {type(e).__name__}: {e}")
         out.append(built)
     return out
+
+
+def _renamed(c, name: str):
+    c.name = name
+    return c
+
+
+def apply_quant(args) -> None:
+    """``--quant TYPE``: point ``-m`` at the requantised GGUF (made once, cached) and keep the
+    default target's shipped DFlash drafter for it. Raises ValueError for a bad type or file."""
+    if not args.quant:
+        return
+    from flashdraft.engine import DEFAULT_DRAFTER_DIR
+    from flashdraft.target import default_model_path
+    from flashdraft.targets.requantize import requantize
+
+    src = args.model or str(default_model_path())
+    if not str(src).endswith(".gguf"):
+        raise ValueError("--quant requantises a GGUF target (-m FILE.gguf)")
+    if args.model is None and args.spec_draft_model is None:
+        args.spec_draft_model = str(DEFAULT_DRAFTER_DIR)  # same weights' drafter, another file
+    args.model = str(requantize(src, args.quant))
+    log.info("--quant %s: benchmarking %s", args.quant, args.model)
 
 
 def build_remote(args) -> list[Contender]:
@@ -329,6 +366,7 @@ def run(args, target=None) -> int:
     from flashdraft.threads import apply_threads, describe
 
     args.threads_used, why = apply_threads(args.threads)
+    apply_quant(args)
     log.info("%s", describe(args.threads_used, why))
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -443,6 +481,7 @@ def _settings(args, sets, temperatures, prompts) -> dict:
         "model": args.model, "drafter": args.spec_draft_model, "draft_model": args.draft_model,
         "n_draft": args.spec_draft_n_max, "ctx_size": args.ctx_size, "cross_ctx": args.spec_dflash_cross_ctx,
         "threads": getattr(args, "threads_used", args.threads), "threads_flag": args.threads,
+        "quant": getattr(args, "quant", None), "peer_threads": getattr(args, "peer_threads", None),
         "urls": list(args.url), "n_prompts": len(prompts),
         "weights": args.weights, **cache_fields(args), **drafter_fields(args),
         "draft_dtype_used": None if args.url else

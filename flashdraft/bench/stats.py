@@ -233,7 +233,9 @@ def summarize(records: list[RunRecord], configs: list[str], baseline: str | None
                 runs = groups.get((s, t, c))
                 if not runs:
                     continue
-                plain_all = groups.get((s, t, OWN_PLAIN.get(c)), [])
+                head, sep, tn = c.rpartition(" -t")  # a peer at --peer-threads N: its own plain at N
+                own = (OWN_PLAIN.get(head) + sep + tn) if sep and OWN_PLAIN.get(head) else OWN_PLAIN.get(c)
+                plain_all = groups.get((s, t, own), [])
                 key = {"prompt_set": s, "temperature": t, "config": c}
                 summary.append({**key, **aggregate(runs, base_all, c == baseline, plain_all)})
                 for p in order_prompts[s]:

@@ -150,17 +150,55 @@ def load(lib_dir: Path, variant: str | None = None) -> CpuBackend:
     return _loaded
 
 
-def main() -> int:
-    """Print the CPU backend this machine gets (no model is loaded); exit 1 where none loads."""
+def decode(model: str, n: int = 4) -> list[int]:
+    """Greedy ids of ``n`` tokens after "Hello, my name is" through llama.cpp's C API alone
+    (no torch: cheap under an emulated CPU), on the CPU backend :func:`load` registered."""
+    from llama_cpp import llama_cpp as api
+
+    api.llama_backend_init()
+    mp = api.llama_model_default_params()
+    model_p = api.llama_model_load_from_file(model.encode(), mp)  # repacked weights on, as the backend loads them
+    if not model_p:
+        raise CpuBackendError(f"llama.cpp could not load {model}")
+    cp = api.llama_context_default_params()
+    cp.n_ctx, cp.n_threads, cp.n_threads_batch = 64, 1, 1
+    ctx = api.llama_init_from_model(model_p, cp)
+    vocab = api.llama_model_get_vocab(model_p)
+    n_vocab = api.llama_vocab_n_tokens(vocab)
+    toks = (api.llama_token * 32)()
+    text = b"Hello, my name is"
+    batch = api.llama_batch_get_one(toks, api.llama_tokenize(vocab, text, len(text), toks, 32, True, False))
+    out = []
+    for _ in range(n):
+        if api.llama_decode(ctx, batch) != 0:
+            raise CpuBackendError("llama_decode failed")
+        logits = api.llama_get_logits_ith(ctx, -1)
+        out.append(max(range(n_vocab), key=logits.__getitem__))
+        one = (api.llama_token * 1)(out[-1])
+        batch = api.llama_batch_get_one(one, 1)
+    api.llama_free(ctx)
+    api.llama_model_free(model_p)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the CPU backend this machine gets; with ``--decode GGUF`` also decode a few
+    tokens on it and print their ids. Exit 1 where no backend loads."""
+    import argparse
     import importlib.util
 
+    ap = argparse.ArgumentParser(description="which llama.cpp CPU backend variant this CPU gets")
+    ap.add_argument("--decode", metavar="GGUF", default=None, help="also decode 4 greedy tokens of this model")
+    args = ap.parse_args(argv)
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None:
         print("llama-cpp-python is not installed", file=sys.stderr)
         return 1
     lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
     try:
-        print(load(lib_dir).describe())
+        print(load(lib_dir).describe(), flush=True)
+        if args.decode:
+            print("decoded", decode(args.decode))
     except CpuBackendError as e:
         print(e, file=sys.stderr)
         return 1
