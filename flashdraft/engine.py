@@ -376,6 +376,15 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
                            verify_costs)
 
 
+def set_step_threads_for(target, drafter: Drafter) -> None:
+    """llama backend: plain decoding steps on every ``-t`` thread; with a drafter one-token
+    steps run on one thread, since ggml splits a single row's attention across threads and a
+    verify row would then differ from the step (docs/performance.md, "The llama backend").
+    Call it whenever generators with different drafters take turns on one target (the bench)."""
+    if hasattr(target, "set_step_threads"):
+        target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)
+
+
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
     """Load the target (unless given) and the drafter; returns a ready generator.
 
@@ -398,8 +407,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
-    if hasattr(target, "set_step_threads"):  # llama: plain decoding steps on every thread, drafting on one
-        target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)
+    set_step_threads_for(target, drafter)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
     if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
         drift = target.verify_drift()

@@ -122,3 +122,16 @@ def test_cost_controller_is_lossless_on_a_tiny_model(monkeypatch, tmp_path):
         got = generate_text(gen, ids, 40, SamplingParams())[1]
         assert got == want, spec
     torch.manual_seed(0)
+
+
+def test_make_serve_runs_the_bench_default():
+    """The bench's ``default`` configuration is what ``make serve`` starts."""
+    from pathlib import Path
+
+    from flashdraft.bench.contender import SERVE_DEFAULT, adaptive_base, controller_of
+
+    line = next(x for x in (Path(__file__).parent.parent / "Makefile").read_text().splitlines()
+                if x.startswith("SERVE_FLAGS"))
+    flags = line.split(":=")[1].split()
+    assert flags[flags.index("--spec-type") + 1] == adaptive_base(SERVE_DEFAULT) == adaptive_base("default")
+    assert flags[flags.index("--spec-dm-controller") + 1] == controller_of(SERVE_DEFAULT) == controller_of("default")

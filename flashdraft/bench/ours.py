@@ -14,7 +14,8 @@ from flashdraft.bench.contender import (BenchPrompt, Contender, Unavailable, ada
                                        fixed_depth)
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
-from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dflash_drafter, load_engine
+from flashdraft.engine import (DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dflash_drafter, load_engine,
+                               set_step_threads_for)
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
@@ -58,6 +59,7 @@ class EngineContender(Contender):
         # generators share the target, whose feature hooks belong to the last one built
         g = self.generator
         g.target.set_feature_layers(g.drafter.feature_layer_ids)
+        set_step_threads_for(g.target, g.drafter)  # plain steps on every thread, drafting's on one
 
     def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
         g = self.generator
