@@ -376,13 +376,16 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
                            verify_costs)
 
 
-def set_step_threads_for(target, drafter: Drafter) -> None:
-    """llama backend: plain decoding steps on every ``-t`` thread; with a drafter one-token
-    steps run on one thread, since ggml splits a single row's attention across threads and a
-    verify row would then differ from the step (docs/performance.md, "The llama backend").
-    Call it whenever generators with different drafters take turns on one target (the bench)."""
+def exact_step_threads(target) -> None:
+    """llama backend: one-token steps on one thread, with or without a drafter; batches
+    (verify blocks, prefill) on every ``-t`` thread. On more threads ggml splits a single
+    row's attention across them, and a verify row then differs from such a step (0.77 in the
+    logits here), so plain decoding on more threads would not give the tokens drafting gives:
+    lossless means the same tokens in every mode (docs/performance.md §12, "Threads").
+    Costs plain decoding at ``-t 2`` ≈ 27% here (11.1 vs 15.2 ms a step). Call it whenever
+    generators with different drafters take turns on one target (the bench)."""
     if hasattr(target, "set_step_threads"):
-        target.set_step_threads(target.threads if isinstance(drafter, NoDrafter) else 1)
+        target.set_step_threads(1)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -407,7 +410,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
-    set_step_threads_for(target, drafter)
+    exact_step_threads(target)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
     if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
         drift = target.verify_drift()

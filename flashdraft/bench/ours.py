@@ -15,7 +15,7 @@ from flashdraft.bench.contender import (BenchPrompt, Contender, Unavailable, ada
 from flashdraft.bench.measure import Generation, counts_from_timings
 from flashdraft.constraints import TokenizerInfo
 from flashdraft.engine import (DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dflash_drafter, load_engine,
-                               set_step_threads_for)
+                               exact_step_threads)
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import Target
@@ -59,7 +59,7 @@ class EngineContender(Contender):
         # generators share the target, whose feature hooks belong to the last one built
         g = self.generator
         g.target.set_feature_layers(g.drafter.feature_layer_ids)
-        set_step_threads_for(g.target, g.drafter)  # plain steps on every thread, drafting's on one
+        exact_step_threads(g.target)  # one-token steps on one thread in every mode
 
     def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
         g = self.generator

@@ -223,9 +223,9 @@ class LlamaTarget(TokenizerSide):
             # fits n_outputs_max (default n_batch): more sequences than ubatch rows aborted
             cp.n_outputs_max = max(self.ubatch, self.n_seq_max)
         # one-token steps on one thread: with more, ggml splits a single row's attention over the
-        # KV cache across threads (contexts of 512+), which rounds otherwise than the row-wise
-        # attention of a verify block; batches (verify, prefill, -np packs) use every thread.
-        # set_step_threads() lifts it where nothing is verified (plain decoding)
+        # KV cache across threads (0.77 apart at a 300-token context), which rounds otherwise than
+        # the row-wise attention of a verify block; batches (verify, prefill, -np packs) use every
+        # thread. Plain decoding too, so every mode gives the same tokens (engine.exact_step_threads)
         cp.n_threads = self._step_threads
         cp.n_threads_batch = self.threads
         cp.type_k, cp.type_v = (KV_TYPES[t] for t in self.cache_types)
@@ -250,8 +250,8 @@ class LlamaTarget(TokenizerSide):
                 self._b.set_layer_inp(ctx, i + 1, True)
 
     def set_step_threads(self, n: int) -> None:
-        """Threads for one-token steps (default 1, see :meth:`_make_context`); the engine gives
-        plain decoding ``-t``'s count, where no verify block must match a step bit for bit."""
+        """Threads for one-token steps (default 1, see :meth:`_make_context`). More than one makes
+        steps faster and no longer equal to verify rows: for measurements only."""
         self._step_threads = max(1, n)
         self._b.api.llama_set_n_threads(self._ctx, self._step_threads, self.threads)
 
