@@ -11,11 +11,11 @@ Quirks kept here, so nothing else knows them:
 - ``llama_{set,get}_embeddings_layer_inp`` (src/llama-ext.h: the input hidden states of a
   layer, what llama.cpp's own DFlash reads) are not in the Python module and, in builds
   where llama-ext.h has C++ linkage, exported only under mangled names: both are tried.
-- ``make setup`` builds for AVX2/FMA/F16C with ``GGML_NATIVE=OFF`` (no AVX512 or AMX code):
-  the same kernels on every x86-64 CPU since 2013, AMX Xeons included, where a native build
-  crashed in ``ggml_backend_amx_mul_mat`` (llama.cpp #20824). Extra buffer types (CPU
-  repack, AMX) are turned off at load too (``use_extra_bufts = False``), for a build made
-  with other options.
+- ``make setup`` builds ggml's CPU backend as run-time variants (x64 baseline, haswell,
+  alderlake, skylakex, icelake, zen4; no AMX variant, llama.cpp #20824), and
+  :mod:`flashdraft.targets.cpu_backend` registers the best one for this CPU before any model
+  loads. Repacked weights are on where a verify block still equals one-token steps
+  (``LlamaTarget(repack="auto")``).
 - ggml's tiled K-quant matmul (``GGML_CPU_TILED_MM``, on by default) takes a Q4_K/Q6_K
   matmul from 8 rows on and rounds otherwise than the one-row kernel a decode step uses:
   on Gemma 3 270M Q4_K_M a verify block's logits differed from one-token steps by up to 1.63,
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 #: the binding the llama backend is tested against (pyproject and the Makefile pin the same)
 BINDING = "llama-cpp-python"
 BINDING_VERSION = "0.3.36"
-INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source for AVX2, ~4 min on 2 cores)"
+INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source with its CPU variants, ~8 min on 2 cores)"
 
 #: ggml reads this once, at the process's first matmul: 0 keeps every K-quant matmul on the
 #: one-row kernel, so a verify block's rows are bit-identical to decode steps
