@@ -37,7 +37,7 @@ llama:
 
 # drafting is asked for explicitly (a bare `flashdraft serve` decodes plainly, as llama-server);
 # these flags are the bench's `default` configuration (flashdraft/bench/contender.py SERVE_DEFAULT)
-SERVE_FLAGS := --spec-type hybrid --spec-dm-controller cost -t 2
+SERVE_FLAGS := --spec-type ngram --spec-dm-controller cost -t 2
 serve: setup
 	$(BIN)/flashdraft serve $(SERVE_FLAGS) $(ARGS)
 

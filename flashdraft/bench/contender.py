@@ -21,7 +21,7 @@ OWN_PLAIN = {"llamacpp-lookup": "llamacpp", "llama-server-lookup": "llama-server
 
 #: what ``make serve`` runs (the Makefile's serve line passes these flags; a test holds them equal):
 #: the ``default`` configuration of the bench
-SERVE_DEFAULT = "hybrid-cost"
+SERVE_DEFAULT = "ngram-cost"
 
 DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
