@@ -79,8 +79,7 @@ def test_chat_template_file_and_jinja_string(target, tmp_path):
     assert inline.chat(_msgs([{"role": "user", "content": "Hi"}])) == builder.chat(_msgs([{"role": "user", "content": "Hi"}]))
     with pytest.raises(ValueError, match="chat-template-file"):
         resolve_template(None, str(tmp_path / "missing.jinja"), jinja=True)
-    with pytest.raises(ValueError, match="neither a built-in"):
-        resolve_template("no-such-template", None, jinja=True)
+    assert resolve_template("no-such-template", None, jinja=True) == ("jinja", None)  # the model's own, warned
 
 
 def test_template_that_rewrites_content_refuses_special_text(target):

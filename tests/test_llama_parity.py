@@ -67,7 +67,6 @@ def test_answer_changing_flags_are_refused_by_name_unless_neutral(caplog):
 
 def test_bad_template_and_key_files_end_the_start_with_a_message(caplog, tmp_path):
     for flags, words in ((["--chat-template-file", str(tmp_path / "none.jinja")], "chat-template-file"),
-                         (["--chat-template", "not-a-template"], "neither a built-in"),
                          (["--api-key-file", str(tmp_path / "none.txt")], "api-key-file"),
                          (["--chat-template-kwargs", "[1]"], "JSON object")):
         caplog.clear()

@@ -11,7 +11,10 @@ llama-server's ``--chat-template`` list (the subset below).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
+
+log = logging.getLogger("flashdraft.server")
 
 Segments = list[tuple[str, bool]]
 
@@ -97,24 +100,43 @@ def resolve_template(chat_template: str | None, chat_template_file: str | None, 
     ``("jinja", TEXT)`` = a given Jinja template, ``("builtin", NAME)``, or
     ``("builtin", None)`` = the built-in format detected from the model's template.
 
+    A template that cannot be used (a ``--chat-template`` that is neither a built-in name
+    nor Jinja, or Jinja that does not parse) does not stop the server: a warning says why
+    and the model's own template is used, as without the flag (llama-server keeps serving
+    too; it falls back to chatml, where the model's own template is the one it was trained on).
+
     Raises:
-        ValueError: an unreadable ``--chat-template-file``, or a ``--chat-template`` that
-            is neither a built-in name nor Jinja.
+        ValueError: an unreadable ``--chat-template-file`` (a path that is wrong, not a
+            template: llama-server stops on it too).
     """
+    default = ("jinja", None) if jinja else ("builtin", None)
     if chat_template_file:
         try:
             with open(chat_template_file, encoding="utf-8") as f:
-                return "jinja", f.read()
+                return _checked_jinja(f.read(), f"--chat-template-file {chat_template_file}", default)
         except OSError as e:
             raise ValueError(f"--chat-template-file {chat_template_file}: {e.strerror or e}") from None
     if chat_template:
         if chat_template in BUILTIN:
             return "builtin", chat_template
         if "{%" in chat_template or "{{" in chat_template:
-            return "jinja", chat_template
-        raise ValueError(f"--chat-template {chat_template!r} is neither a built-in template "
-                         f"({', '.join(BUILTIN)}) nor a Jinja template")
-    return ("jinja", None) if jinja else ("builtin", None)
+            return _checked_jinja(chat_template, "--chat-template", default)
+        log.warning("--chat-template %r is neither a built-in template (%s) nor a Jinja template; using the "
+                    "model's own template instead", chat_template, ", ".join(BUILTIN))
+    return default
+
+
+def _checked_jinja(text: str, flag: str, default: tuple[str, str | None]) -> tuple[str, str | None]:
+    """``("jinja", text)`` when ``text`` parses as Jinja, else ``default`` with a warning."""
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        log.warning("%s does not parse as a Jinja template (line %s: %s); using the model's own template instead",
+                    flag, e.lineno, e.message)
+        return default
+    return "jinja", text
 
 
 def split_contents(rendered: str, contents: list[str]) -> tuple[Segments, list[int]]:

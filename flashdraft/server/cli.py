@@ -172,9 +172,9 @@ def settings_from_args(args: argparse.Namespace):
     """:class:`ServerSettings` from parsed flags.
 
     Raises:
-        ValueError: an unreadable ``--api-key-file`` or ``--chat-template-file``, a
-            ``--chat-template`` that is neither a built-in name nor Jinja, or
-            ``--chat-template-kwargs`` that is not a JSON object.
+        ValueError: an unreadable ``--api-key-file`` or ``--chat-template-file``, or
+            ``--chat-template-kwargs`` that is not a JSON object (an unusable
+            ``--chat-template`` falls back to the model's own with a warning).
     """
     import json
 
