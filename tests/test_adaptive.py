@@ -217,6 +217,10 @@ class ScriptedController:
         assert 0 <= n_accepted <= depth and seconds >= 0
         self.seen.append((depth, n_accepted))
 
+    def cut(self, confidence):
+        # a scripted cut too (0, 1 or 2 tokens off the end): any cut must stay lossless as well
+        return max(0, len(confidence) - self.i % 3)
+
     def reset(self):
         self.i = 0
 

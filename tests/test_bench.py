@@ -23,8 +23,8 @@ from flashdraft.generate import Timings
 from tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [{"id": "p0", "prompt": "t5 t9 t17 t3 t22 t41 t5 t9 t17"}]
-LOCAL_CONFIGS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "suffix", "suffix-adaptive", "hybrid",
-                 "hybrid-adaptive", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
+LOCAL_CONFIGS = ["none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+                 "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                  "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup",
                  "hf-dflash", "hf-draft"]
 RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens",
