@@ -35,6 +35,9 @@ baseline="-DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_BMI2=OFF -DGGML
 say "step 1/2: the binding and libllama with the baseline CPU backend (pip, ~3 min on 2 cores; -v shows the compiler)"
 CMAKE_ARGS="-DLLAVA_BUILD=OFF $common $baseline" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
   "$py" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$src"
+# its Python dependencies (diskcache, jinja2, ...): pip installs what is missing and leaves the
+# build just made in place (--force-reinstall above would otherwise reinstall numpy and the rest)
+"$py" -m pip install -q "llama-cpp-python==$version"
 
 lib=$("$py" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llama_cpp'); \
 print(pathlib.Path(list(s.submodule_search_locations)[0]) / 'lib')")
