@@ -240,9 +240,11 @@ class Kinds:
                 if "error" in ev:
                     raise BadAnswer(f"error event: {ev['error']}")
                 events += 1
-                if not ev["choices"]:  # after the finish chunk: usage and timings
+                if ev.get("usage") and ev.get("timings"):  # the chat stream's own chunk after the finish
+                    # chunk, or (/v1/completions, as llama-server) the finish chunk itself
                     tokens, predicted = ev["usage"]["completion_tokens"], ev["timings"]["predicted_n"]
                     cache_n = ev["timings"].get("cache_n", 0)
+                if not ev["choices"]:
                     continue
                 choice = ev["choices"][0]
                 parts.append((choice["delta"].get("content") if path == CHAT else choice["text"]) or "")

@@ -114,8 +114,6 @@ BAD_INPUT = [
     ("lone-surrogate-tokenize", "POST", "/tokenize", rb'{"content": "\udfff"}', 400, None),
     ("utf8-overlong", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\xc0\xaf"}]}', 400, None),
     ("stop-string-too-long", "POST", CHAT, chat(stop=["x" * 600]), 400, "stop"),
-    ("max-tokens-beyond-int64", "POST", CHAT, chat(max_tokens=2**70), 400, "max_tokens"),
-    ("max-completion-tokens-huge", "POST", CHAT, chat(max_completion_tokens=10**6), 400, "max_completion_tokens"),
     ("temperature-infinity", "POST", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
      400, "temperature"),
     ("top-p-nan", "POST", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400, "top_p"),

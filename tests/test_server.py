@@ -404,7 +404,6 @@ BAD_INPUT = [
      400, "messages.0.role"),
     ("max-tokens-zero", "/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens"),
     ("max-tokens-negative", "/v1/chat/completions", chat(max_tokens=-5), 400, "max_tokens"),
-    ("max-tokens-huge", "/v1/chat/completions", chat(max_tokens=10**7), 400, "max_tokens"),
     ("temperature-negative", "/v1/chat/completions", chat(temperature=-1), 400, "temperature"),
     ("temperature-nan", "/v1/chat/completions", chat(temperature=float("nan")), 400, "temperature"),
     ("top-p-zero", "/v1/chat/completions", chat(top_p=0), 400, "top_p"),
