@@ -14,9 +14,7 @@ backend variant. One process, medians of ``--reps``; configurations run one afte
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,15 +23,7 @@ from flashdraft.target import default_model_path
 from flashdraft.targets.binding import binding
 from flashdraft.targets.llama import LlamaTarget
 from flashdraft.targets.requantize import requantize
-
-
-def median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+from llama_step_profile import median_ms  # scripts/ is on the path of a script run from it
 
 
 def main(argv=None) -> int:
