@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     src = default_model_path()
     b = binding()
     head = ["GGUF", "repack"] + [f"{k} rows, {n} thr" for n in threads for k in rows] + ["exact (16 rows)"]
-    lines = [f"CPU backend: {b.cpu.describe()}; context {args.context}; ms per call, median of {args.reps} "
+    lines = [f"{b.cpu.describe()}; context {args.context}; ms per call, median of {args.reps} "
              f"(÷ that row's 1-row, {threads[0]}-thread call)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     print("\n".join(lines), flush=True)
