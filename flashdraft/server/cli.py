@@ -126,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="do not allow credentials on CORS requests")
     h.add_argument("--log-timestamps", action="store_true", help="prefix log lines with the time")
     h.add_argument("--log-prefix", action="store_true", help="prefix log lines with the level")
+    h.add_argument("--sse-ping-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="a stream still prefilling after this long gets its headers and a keep-alive ping, "
+                        "then one every interval (llama-server's flag; <= 0 or -1: off) (default: 30)")
     h.add_argument("-v", "--verbose", "--log-verbose", action="store_true", help="debug logging")
     h.add_argument("--log-disable", action="store_true",
                    help="log warnings and errors only (no request log)")
@@ -205,7 +208,7 @@ def settings_from_args(args: argparse.Namespace):
         api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel, webui=args.webui,
         slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
-        chat_template_kwargs=kwargs, verbose=args.verbose,
+        chat_template_kwargs=kwargs, verbose=args.verbose, sse_ping_interval=args.sse_ping_interval,
         limits=limits.from_args(args),
         cors=CorsSettings(_csv(args.cors_origins), _csv(args.cors_methods), _csv(args.cors_headers),
                           args.cors_credentials),

@@ -136,7 +136,6 @@ IGNORED = """
 --pooling : v
 --embd-normalize : v
 --timeout -to : v
---sse-ping-interval : v
 --threads-http : v
 --props : b
 --slot-save-path : v

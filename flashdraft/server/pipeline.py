@@ -113,7 +113,7 @@ async def handle(request: Request, state: ServerState, api: API) -> Response:
             fmt = api.renderer(ctx).stream()
             if req.timings_per_token:
                 fmt.per_token = lambda t: t.to_dict(state.generator.drafting)
-            return await run.stream(request, state.submit(jobs[0]), fmt, observe)
+            return await run.stream(request, state.submit(jobs[0]), fmt, observe, state.settings.sse_ping_interval)
         results = await run.collect(request, state.submit_all(jobs))
         response = JSONResponse(api.renderer(ctx).body(results))
     except APIError as e:

@@ -152,5 +152,9 @@ class MessagesStream(StreamFormat):
         out.append(self.event({"type": "message_stop"}))
         return out
 
+    def ping(self) -> bytes:
+        """Anthropic's own keep-alive event (its SDKs skip it)."""
+        return self.event({"type": "ping"})
+
     def error(self, err: APIError) -> bytes:
         return sse(error_body(err), event="error")

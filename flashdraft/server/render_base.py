@@ -104,6 +104,11 @@ class StreamFormat:
         """Events for the last step, given the whole completion."""
         raise NotImplementedError
 
+    def ping(self) -> bytes:
+        """A keep-alive sent while the prompt prefills: an SSE comment, which every client's
+        parser skips (the OpenAI SDKs, ``EventSource``)."""
+        return b": ping\n\n"
+
     def error(self, err: APIError) -> bytes:
         """The event that ends a stream that failed after its first step."""
         return sse(err.body())

@@ -1,8 +1,11 @@
 """Step 4 of every generation route: run the jobs on the scheduler, collected or streamed.
 
 Errors known before the first token are plain HTTP errors even for ``stream: true`` (the
-stream waits for the first step before it sends headers); a failure after that ends the
-stream with the API's error event. A client that disconnects cancels its jobs (queued:
+stream waits for the first step before it sends headers), unless the prompt is still
+prefilling after ``--sse-ping-interval`` seconds: then the headers go out with a keep-alive
+ping, and one more each interval, so an agent's client does not give up on a silent
+connection (Claude Code resends after 300 s without a byte). A failure after the headers
+ends the stream with the API's error event. A client that disconnects cancels its jobs (queued:
 never runs; running: stops within one verify step). On SIGTERM a queued job is answered
 503 and a running stream that outlives the grace period ends with an error event (see
 :mod:`.scheduler`).
@@ -99,34 +102,66 @@ async def _collect(ticket: Ticket) -> Completion:
 
 
 async def stream(request: Request, ticket: Ticket, fmt: StreamFormat,
-                 observe: Callable[[str, Completion | None], None]) -> StreamingResponse:
+                 observe: Callable[[str, Completion | None], None],
+                 ping_interval: float = 0.0) -> StreamingResponse:
     """Stream ``ticket``'s steps as server-sent events written by ``fmt``.
 
     Args:
         observe: called once when the stream ends, with its outcome (``ok``, ``cancelled``,
             ``client_error``, ``server_error``) and the completion when it finished.
+        ping_interval: seconds; if the first step has not come by then, the headers are
+            sent with ``fmt.ping()`` and another ping follows every interval until it
+            does. <= 0: wait for the first step however long it takes.
     Raises:
-        APIError: the job failed before its first step (plain HTTP error) or the client left.
+        APIError: the job failed before its first step and before any ping (plain HTTP
+            error) or the client left.
     """
     events = ticket.events()
+    first_step = asyncio.ensure_future(anext(events))
     try:
         async with cancel_on_disconnect(request, ticket):
-            first = await anext(events)  # errors before any output stay plain HTTP errors
+            await asyncio.wait({first_step}, timeout=ping_interval if ping_interval > 0 else None)
+            first = first_step.result() if first_step.done() else None
     except (JobFailed, ServerShuttingDown) as e:
         raise failure(e) from None
     except Cancelled:
         raise cancelled() from None
     except BaseException:
+        first_step.cancel()
         ticket.cancel()
         raise
-    return StreamingResponse(_sse_body(ticket, first, events, fmt, observe), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    if first is None:  # still prefilling: headers now, the first step under pings
+        body = _sse_body(ticket, _pinged(first_step, ping_interval, fmt), events, fmt, observe)
+    else:
+        body = _sse_body(ticket, first, events, fmt, observe)
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _sse_body(ticket: Ticket, first: Step, events: AsyncIterator[Step], fmt: StreamFormat,
-                    observe: Callable[[str, Completion | None], None]) -> AsyncIterator[bytes]:
+async def _pinged(first_step: asyncio.Future, interval: float, fmt: StreamFormat) -> AsyncIterator[bytes | Step]:
+    """``fmt.ping()`` now and every ``interval`` seconds until ``first_step`` is done, then
+    its step (or its exception)."""
+    try:
+        while True:
+            yield fmt.ping()
+            done, _ = await asyncio.wait({first_step}, timeout=interval)
+            if done:
+                yield first_step.result()
+                return
+    finally:
+        first_step.cancel()  # no-op once done; the client left while we were pinging
+
+
+async def _sse_body(ticket: Ticket, first: Step | AsyncIterator[bytes | Step], events: AsyncIterator[Step],
+                    fmt: StreamFormat, observe: Callable[[str, Completion | None], None]) -> AsyncIterator[bytes]:
+    """The stream's bytes; ``first`` is the first step, or pings that end with it."""
     c, parts, status, done = Completion(), [], "ok", None
     try:
+        if not isinstance(first, Step):
+            async for item in first:
+                if isinstance(item, Step):
+                    first = item
+                else:
+                    yield item
         for event in fmt.start(first):
             yield event
         step = first

@@ -74,6 +74,9 @@ class ServerSettings:
             timeout (5 s in ``flashdraft serve``) so the clean end wins over a cut connection.
         verbose: ``-v``: every non-streamed answer carries ``__verbose`` (the prompt as
             text), as llama-server's debug mode.
+        sse_ping_interval: ``--sse-ping-interval``, seconds: a stream whose first token has
+            not come by then gets its headers and a keep-alive ping, and another ping every
+            interval until it does (a long prefill); <= 0 = wait silently (llama-server's -1).
     """
 
     alias: str | None = None
@@ -100,6 +103,7 @@ class ServerSettings:
     cors: CorsSettings = field(default_factory=CorsSettings)
     shutdown_grace_s: float = 3.0
     verbose: bool = False
+    sse_ping_interval: float = 30.0
 
     def aliases(self) -> list[str]:
         """``--alias`` split at commas, sorted (the first is the model id)."""
