@@ -15,8 +15,8 @@ STEPS = {"flashdraft.server." + m: m for m in ("parse_openai", "parse_anthropic"
 
 
 def visited_steps(path: str, body: dict) -> list[str]:
-    """The step modules whose functions ran for one request on the thread that handled it,
-    consecutive repeats collapsed."""
+    """The step modules whose functions ran for one request on the threads that handled it
+    (the event loop's and the prompt thread), consecutive repeats collapsed."""
     calls: list[tuple[int, str]] = []
     handlers: set[int] = set()
 
@@ -24,7 +24,7 @@ def visited_steps(path: str, body: dict) -> list[str]:
         if event != "call":
             return
         name = frame.f_globals.get("__name__", "")
-        if name == "flashdraft.server.pipeline" and frame.f_code.co_name == "handle":
+        if name == "flashdraft.server.pipeline" and frame.f_code.co_name in ("handle", "_prepare"):
             handlers.add(threading.get_ident())
         if name in STEPS:
             calls.append((threading.get_ident(), STEPS[name]))

@@ -261,7 +261,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         """``{"content", "add_special", "with_pieces"}`` -> ``{"tokens": [...]}``."""
         state.require_ready()
         req = parse_request(await pipeline.read_body(request, settings.limits.body_bytes), TokenizeRequest)
-        ids = state.prompts.encode(req.content, add_special=req.add_special)
+        ids = await request.app.state.prompt_thread.run(lambda: state.prompts.encode(req.content, add_special=req.add_special))
         if req.with_pieces:  # a piece that is not whole UTF-8 is sent as its bytes, as llama-server does
             return JSONResponse({"tokens": [{"id": i, "piece": state.prompts.piece_or_bytes(i)} for i in ids]})
         return JSONResponse({"tokens": ids})

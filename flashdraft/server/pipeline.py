@@ -19,6 +19,8 @@ also without ``/v1`` where llama-server has it; and the prompt-only helpers
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,6 +77,26 @@ ROUTES = {
 #: paths that answer in Anthropic's error shape (the API-key check uses it too)
 ANTHROPIC_PATHS = ("/v1/messages",)
 
+class PromptThread:
+    """Steps 1-3 (parse, validate, jobs) run here, off the event loop, so ``/health`` and
+    running streams are answered while a 5 MB body is parsed and tokenised (seconds). One
+    worker per app, so prompts are built one at a time as before: a transformers tokenizer
+    is not safe to share between threads (it resets its truncation state on every call)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashdraft-prompt")
+
+    async def run(self, fn: Callable, *args):
+        """``fn(*args)`` on the prompt thread; its exceptions are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+def _prepare(api: API, body: bytes, headers, state: ServerState) -> tuple[GenRequest, list]:
+    """Steps 1-3: parse, validate, jobs (raises APIError)."""
+    req = validate(api.parse(body), state.settings.limits)
+    req.client = client_of(headers)
+    return req, J.build(req, state)
+
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing more than ``limit`` bytes (413, naming ``--max-body-bytes``)
@@ -91,7 +113,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def handle(request: Request, state: ServerState, api: API) -> Response:
+async def handle(request: Request, state: ServerState, api: API, prompt_thread: PromptThread) -> Response:
     """One generation request, start to end: parse, validate, jobs, run, render.
 
     Every failure is answered in ``api``'s error shape and counted in
@@ -105,9 +127,7 @@ async def handle(request: Request, state: ServerState, api: API) -> Response:
     try:
         state.require_ready()
         body = await read_body(request, state.settings.limits.body_bytes)
-        req = validate(api.parse(body), state.settings.limits)
-        req.client = client_of(request.headers)
-        jobs = J.build(req, state)
+        req, jobs = await prompt_thread.run(_prepare, api, body, request.headers, state)
         ctx = RenderContext(req, jobs, state, state.check_model(req.model))
         if req.stream:
             fmt = api.renderer(ctx).stream()
@@ -124,10 +144,14 @@ async def handle(request: Request, state: ServerState, api: API) -> Response:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
-    """Add the generation routes and the prompt-only helpers to ``app``."""
+    """Add the generation routes and the prompt-only helpers to ``app``; its
+    :class:`PromptThread` is ``app.state.prompt_thread``."""
+    prompt_thread = app.state.prompt_thread = PromptThread()
+    off_loop = prompt_thread.run
+
     def route_for(api: API):
         async def route(request: Request) -> Response:
-            return await handle(request, state, api)
+            return await handle(request, state, api, prompt_thread)
 
         route.__doc__ = f"{api.name}: see flashdraft.server.pipeline"
         return route
@@ -138,7 +162,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     async def chat_prompt(request: Request, parse: Callable[[bytes], GenRequest], check: bool = True) -> GenRequest:
         state.require_ready()
-        req = parse(await read_body(request, state.settings.limits.body_bytes))
+        req = await off_loop(parse, await read_body(request, state.settings.limits.body_bytes))
         return validate(req, state.settings.limits) if check else req
 
     @app.post("/apply-template")
@@ -146,20 +170,21 @@ def register(app: FastAPI, state: ServerState) -> None:
         """llama-server's ``/apply-template``: a chat request's ``messages`` rendered by the
         chat template, as text (nothing is decoded)."""
         req = await chat_prompt(request, parse_openai.chat, check=False)
-        return JSONResponse({"prompt": state.prompts.text(J.segments(req, state))})
+        return JSONResponse({"prompt": await off_loop(lambda: state.prompts.text(J.segments(req, state)))})
 
     @app.post("/v1/chat/completions/input_tokens")
     @app.post("/chat/completions/input_tokens", include_in_schema=False)
     async def chat_input_tokens(request: Request) -> Response:
         """llama-server's token count of a chat request's prompt (``max_tokens`` not needed)."""
         req = await chat_prompt(request, parse_openai.chat)
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(J.prompt_ids(req, state))})
+        ids = await off_loop(J.prompt_ids, req, state)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         """Anthropic's token count of a Messages request (``max_tokens`` not needed)."""
         try:
             req = await chat_prompt(request, parse_anthropic.count_tokens)
-            return JSONResponse({"input_tokens": len(J.prompt_ids(req, state))})
+            return JSONResponse({"input_tokens": len(await off_loop(J.prompt_ids, req, state))})
         except APIError as e:
             return anthropic_error(e)
