@@ -37,6 +37,10 @@ LONG_SETS = ("seed",)
 LONG_MAX_TOKENS, DEFAULT_MAX_TOKENS = 1200, 256
 #: the per-prompt table is printed by default up to this many prompts per set
 PER_PROMPT_AUTO = 10
+DEFAULT_REPEATS, DEFAULT_WARMUP = 3, 8
+#: ``--quick``: plain decoding against what ``make serve`` runs and DFlash under the cost
+#: controller, one pass over the seed prompts at 256 tokens (about 2 minutes on 2 cores)
+QUICK = {"configs": "none,default,dflash-cost", "repeats": 1, "max_tokens": 256, "warmup_tokens": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,9 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="top-p at temperature > 0 (default: 0.95)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p at temperature > 0 (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (default: 0)")
-    p.add_argument("--repeats", type=int, default=3, help="passes over the prompts per configuration (default: 3)")
-    p.add_argument("--warmup-tokens", type=int, default=8,
-                   help="tokens each configuration generates, unmeasured, before the first pass (default: 8)")
+    p.add_argument("--quick", action="store_true",
+                   help="a first look in a few minutes: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+                        + " (flags given beside it win)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"passes over the prompts per configuration (default: {DEFAULT_REPEATS})")
+    p.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP,
+                   help=f"tokens each configuration generates, unmeasured, before the first pass (default: {DEFAULT_WARMUP})")
     p.add_argument("--json-out", default=None, metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="tokens/s per configuration + acceptance histogram")
     p.add_argument("--per-prompt", action=argparse.BooleanOptionalAction, default=None,
@@ -245,6 +253,16 @@ def _renamed(c, name: str):
     return c
 
 
+def apply_quick(args) -> None:
+    """``--quick``: :data:`QUICK`'s values for the flags still at their defaults."""
+    if not args.quick:
+        return
+    defaults = {"configs": None, "repeats": DEFAULT_REPEATS, "max_tokens": None, "warmup_tokens": DEFAULT_WARMUP}
+    for name, value in QUICK.items():
+        if getattr(args, name) == defaults[name]:
+            setattr(args, name, value)
+
+
 def apply_quant(args) -> None:
     """``--quant TYPE``: point ``-m`` at the requantised GGUF (made once, cached) and keep the
     default target's shipped DFlash drafter for it. Raises ValueError for a bad type or file."""
@@ -365,6 +383,7 @@ def run(args, target=None) -> int:
     """
     from flashdraft.threads import apply_threads, describe
 
+    apply_quick(args)
     args.threads_used, why = apply_threads(args.threads)
     apply_quant(args)
     log.info("%s", describe(args.threads_used, why))
