@@ -155,11 +155,17 @@ def verify_sampling(
 ) -> tuple[int, int]:
     """Lossless speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023).
 
-    Draft token k is accepted with probability ``min(1, p_k(x)/q_k(x))``; at the first
+    A deterministic draft (``q`` one-hot, ``draft_probs`` None: DFlash's argmax, prompt
+    lookup) is checked by drawing the target's own token at each position in turn and
+    accepting while it equals the draft; the first that differs is the bonus token. That is
+    the same law as accepting with probability ``p(x)`` and resampling from ``p`` with ``x``
+    removed, and it draws exactly one sample per emitted token from ``generator``, in order,
+    as plain decoding does: with a fixed seed, drafting on or off gives the same tokens
+    (llama-server's ``test_with_and_without_draft``), not only the same distribution.
+
+    A sampled draft is accepted with probability ``min(1, p_k(x)/q_k(x))``; at the first
     rejection the bonus token is drawn from ``normalise(max(p_k - q_k, 0))``; if all are
-    accepted it is drawn from ``p_{n+1}``. A deterministic drafter is the case ``q`` one-hot:
-    accept with probability ``p(x)``, resample from ``p`` with ``x`` removed — the same law as
-    "accept if the target's sample equals the draft" of the DFlash reference.
+    accepted it is drawn from ``p_{n+1}``.
 
     Args:
         draft_tokens: ``[n]`` proposed ids (host).
@@ -171,19 +177,20 @@ def verify_sampling(
         ``(n_accepted, bonus_token)``.
     """
     n = draft_tokens.shape[0]
+    if draft_probs is None:
+        for k in range(n):
+            y = int(sample(target_probs[k][None], generator)[0])
+            if y != int(draft_tokens[k]):
+                return k, y
+        return n, int(sample(target_probs[n][None], generator)[0])
     for k in range(n):
         x = int(draft_tokens[k])
-        p_x = float(target_probs[k, x])
-        q_x = 1.0 if draft_probs is None else float(draft_probs[k, x])
+        p_x, q_x = float(target_probs[k, x]), float(draft_probs[k, x])
         u = float(torch.rand((), generator=generator, device=generator.device))
         if q_x > 0 and u < min(1.0, p_x / q_x):
             continue
         # rejected: sample from the residual distribution
-        if draft_probs is None:
-            residual = target_probs[k].clone()
-            residual[x] = 0.0
-        else:
-            residual = (target_probs[k] - draft_probs[k]).clamp_min(0.0)
+        residual = (target_probs[k] - draft_probs[k]).clamp_min(0.0)
         total = float(residual.sum())
         if total <= 0.0:  # p == q exactly: any sample from p is correct
             residual = target_probs[k]

@@ -139,3 +139,23 @@ def test_top_k_fast_path_gives_the_full_paths_distribution(monkeypatch):
         assert torch.equal(fast[:5] > 0, full[:5] > 0) and torch.allclose(fast[:5], full[:5], atol=1e-6), p
     assert S._filtered_top_k(logits[5:] / 1.0, SamplingParams(temperature=1.0, top_k=4)) is None
     assert (S.filtered_probs(logits[5:], SamplingParams(temperature=1.0, top_k=4)) > 0).sum() == 10
+
+
+def test_a_seed_gives_the_same_tokens_with_drafting_on_and_off():
+    """llama-server's ``test_with_and_without_draft`` (T 0.2, top-k 5, seed 4242), here at
+    hotter T too so drafts are rejected as well: a deterministic draft (prompt lookup, what
+    ``make serve`` runs) is checked with one target sample per emitted token, so the random
+    stream does not depend on drafting. (DFlash and AR drafters sample their drafts at T > 0
+    and keep Leviathan's rule: the same distribution, not the same tokens.)"""
+    target = tiny_target("llama", seed=1, layers=2, hidden=32)
+    drafter = NgramDrafter()
+    plain, spec = SpeculativeGenerator(target, None, n_draft=0), SpeculativeGenerator(target, drafter, n_draft=4)
+    prompt = [3, 14, 15, 3, 14, 15, 3, 14]
+    drafted = accepted = 0
+    for seed, temperature in [(4242, 0.2), (4242, 1.0), (7, 1.0), (8, 0.7)]:
+        params = SamplingParams(temperature=temperature, top_k=5, seed=seed)
+        want = generate_text(plain, prompt, 24, params, ignore_eos=True)[1]
+        got, stats = generate_text(spec, prompt, 24, params, ignore_eos=True)[1::2]
+        assert got == want, (seed, temperature)
+        drafted, accepted = drafted + stats.draft_n, accepted + stats.draft_n_accepted
+    assert 0 < accepted < drafted  # some drafts accepted and some rejected
