@@ -10,10 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashdraft.generate import Step, Timings, TokenLogprob
+from flashdraft.generate import GenerationRequest, Step, Timings, TokenLogprob
 from flashdraft.server.errors import APIError
 from flashdraft.server.request import GenRequest
-from flashdraft.server.scheduler import GenerationJob
 
 
 @dataclass
@@ -38,7 +37,7 @@ class RenderContext:
     """
 
     req: GenRequest
-    jobs: list[GenerationJob]
+    jobs: list[GenerationRequest]
     state: object
     model: str
 
