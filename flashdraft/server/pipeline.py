@@ -108,11 +108,13 @@ async def handle(request: Request, state: ServerState, api: API) -> Response:
         req = validate(api.parse(body), state.settings.limits)
         req.client = client_of(request.headers)
         jobs = J.build(req, state)
-        ctx = RenderContext(req, jobs, state, state.check_model(req.model))
+        g = state.generator
+        ctx = RenderContext(req, jobs, state.check_model(req.model), state.prompts, g.drafting, g.ctx_size,
+                            state.settings.verbose)
         if req.stream:
             fmt = api.renderer(ctx).stream()
             if req.timings_per_token:
-                fmt.per_token = lambda t: t.to_dict(state.generator.drafting)
+                fmt.per_token = lambda t: t.to_dict(ctx.drafting)
             return await run.stream(request, state.submit(jobs[0]), fmt, observe)
         results = await run.collect(request, state.submit_all(jobs))
         response = JSONResponse(api.renderer(ctx).body(results))
