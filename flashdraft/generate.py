@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 import torch
@@ -93,9 +93,29 @@ class Timings:
 
     def count_step(self, produced: int) -> None:
         """Count one verify step that produced ``produced >= 1`` tokens (:attr:`verify_n`)."""
+        self.n_steps += 1
         self.verify_n += produced
         self.step_hist.extend([0] * (produced - len(self.step_hist)))
         self.step_hist[produced - 1] += 1
+
+    def count_draft(self, n: int, n_acc: int) -> None:
+        """Count one verify step's draft of ``n >= 1`` tokens, the first ``n_acc`` of them
+        accepted and produced (:attr:`draft_n_accepted`)."""
+        self.n_drafts += 1
+        self.draft_n += n
+        self.draft_n_accepted += n_acc
+        _add_counts(self.drafted_per_position, [1] * n)
+        _add_counts(self.accepted_per_position, [1] * n_acc + [0] * (n - n_acc))
+
+    def add(self, other: Timings) -> None:
+        """Add ``other``'s counts and times to these (a sum over requests, lists element by
+        element); ``draft_depth_last`` becomes ``other``'s."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                _add_counts(mine, theirs)
+            else:
+                setattr(self, f.name, theirs if f.name == "draft_depth_last" else mine + theirs)
 
     @property
     def draft_depth(self) -> float:
@@ -495,16 +515,11 @@ class Sequence:
         finish, kept, produced = _emit(self.stream, new, self.eos, self.max_tokens, t)
         if finish is None and self.tokens.shape[0] >= self.ctx_size:
             finish = "length"
-        t.n_steps += 1
         t.count_step(produced)
         t.draft_depth_sum += self._depth
         t.draft_depth_last = self._standing
-        if n:
-            t.n_drafts += 1
-            t.draft_n += n
-            # an accepted draft counts if it was produced (an accepted end of sequence too)
-            t.draft_n_accepted += min(n_acc, produced)
-            _count_positions(t, n, min(n_acc, produced))
+        if n:  # an accepted draft counts if it was produced (an accepted end of sequence too)
+            t.count_draft(n, min(n_acc, produced))
         t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
@@ -559,13 +574,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int,
             for tok, c, ids, vals in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
 
 
-def _count_positions(t: Timings, n: int, n_acc: int) -> None:
-    while len(t.drafted_per_position) < n:
-        t.drafted_per_position.append(0)
-        t.accepted_per_position.append(0)
-    for k in range(n):
-        t.drafted_per_position[k] += 1
-        t.accepted_per_position[k] += int(k < n_acc)
+def _add_counts(dst: list[int], src: list[int]) -> None:
+    """``dst[k] += src[k]`` for every k, ``dst`` grown with zeros to ``src``'s length."""
+    dst.extend([0] * (len(src) - len(dst)))
+    for k, n in enumerate(src):
+        dst[k] += n
 
 
 def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
