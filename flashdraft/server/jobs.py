@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
 from flashdraft.generate import ContextOverflowError, GenerationRequest
 from flashdraft.sampling import SamplingParams
 from flashdraft.server.errors import APIError, bad_request
@@ -125,8 +126,6 @@ def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):
         APIError: 400 for tools with another constraint, or a schema or grammar that does
             not compile (``invalid_grammar``) or cannot run on this tokenizer.
     """
-    from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
-
     if spec is not None and req.constraint is not None:
         raise bad_request("tools cannot be combined with response_format, json_schema or grammar",
                           param=req.tools.param)

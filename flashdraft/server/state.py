@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flashdraft.constraints import TokenizerInfo
 from flashdraft.generate import GenerationRequest, SpeculativeGenerator
 from flashdraft.server.errors import APIError
 from flashdraft.server.limits import Limits, over
@@ -141,8 +142,6 @@ class ServerState:
                 self.on_load_failed(e)
             return
         try:  # the grammar engine's view of the vocabulary (≈ 2 s), before the first request needs it
-            from flashdraft.constraints import TokenizerInfo
-
             TokenizerInfo.for_target(generator.target)
         except Exception as e:  # noqa: BLE001 - constrained requests will report it themselves
             log.warning("grammar constraints unavailable: %s", e)
