@@ -21,7 +21,7 @@ import torch
 
 from flashdraft.adaptive import ProfitController
 from flashdraft.drafters.base import Drafter
-from flashdraft.generate import PromptCache, Sequence, SpeculativeGenerator, Step, common_prefix
+from flashdraft.generate import GenerationRequest, PromptCache, Sequence, SpeculativeGenerator, Step, common_prefix
 
 
 @dataclass
@@ -72,18 +72,16 @@ def best_slot(free: list[Slot], prompt_ids: list[int]) -> Slot:
     return max(free, key=lambda slot: common_prefix(slot.prompt_cache, prompt_ids))
 
 
-def start(generator: SpeculativeGenerator, slot: Slot, prompt_ids: list[int], max_tokens: int, params,
-          cache_prompt: bool = False, **kw) -> None:
-    """Begin a request in ``slot`` (its first step is the prefill); ``kw`` as
-    :class:`~flashdraft.generate.Sequence` (``stop``, ``n_draft``, ``ignore_eos``).
-    ``cache_prompt``: start from the slot's prompt cache (its common prefix is not prefilled).
+def start(generator: SpeculativeGenerator, slot: Slot, request: GenerationRequest) -> None:
+    """Begin ``request`` in ``slot`` (its first step is the prefill); with
+    ``request.cache_prompt`` it starts from the slot's prompt cache (its common prefix is
+    not prefilled).
 
     Raises:
         ContextOverflowError / ValueError: as :class:`~flashdraft.generate.Sequence`; the slot stays free.
     """
     cached, slot.prompt_cache = slot.prompt_cache, None  # the new sequence owns (or drops) it
-    slot.seq = Sequence(generator, prompt_ids, max_tokens, params, drafter=slot.drafter,
-                        controller=slot.controller, reuse=cached if cache_prompt else None, **kw)
+    slot.seq = Sequence(generator, request, drafter=slot.drafter, controller=slot.controller, reuse=cached)
     slot.delivered = False
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 import torch
@@ -93,9 +93,29 @@ class Timings:
 
     def count_step(self, produced: int) -> None:
         """Count one verify step that produced ``produced >= 1`` tokens (:attr:`verify_n`)."""
+        self.n_steps += 1
         self.verify_n += produced
         self.step_hist.extend([0] * (produced - len(self.step_hist)))
         self.step_hist[produced - 1] += 1
+
+    def count_draft(self, n: int, n_acc: int) -> None:
+        """Count one verify step's draft of ``n >= 1`` tokens, the first ``n_acc`` of them
+        accepted and produced (:attr:`draft_n_accepted`)."""
+        self.n_drafts += 1
+        self.draft_n += n
+        self.draft_n_accepted += n_acc
+        _add_counts(self.drafted_per_position, [1] * n)
+        _add_counts(self.accepted_per_position, [1] * n_acc + [0] * (n - n_acc))
+
+    def add(self, other: Timings) -> None:
+        """Add ``other``'s counts and times to these (a sum over requests, lists element by
+        element); ``draft_depth_last`` becomes ``other``'s."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                _add_counts(mine, theirs)
+            else:
+                setattr(self, f.name, theirs if f.name == "draft_depth_last" else mine + theirs)
 
     @property
     def draft_depth(self) -> float:
@@ -195,6 +215,47 @@ class Step:
     progress: Timings | None = None
 
 
+@dataclass
+class GenerationRequest:
+    """One request to the engine: the prompt, the limit and every option of the answer.
+
+    Attributes:
+        prompt_ids: ``[L]`` prompt token ids (non-empty, shorter than the context).
+        max_tokens: most tokens to return (>= 1).
+        params: sampling settings (temperature, top-k/p, min-p, seed).
+        stop: stop strings: the text ends before the first one it contains.
+        n_draft: draft tokens per step; None = the generator's (``--spec-draft-n-max``).
+        ignore_eos: keep generating past end-of-sequence tokens.
+        cache_prompt: start from the caches the previous request left and prefill only
+            what follows the common prefix (llama-server's ``cache_prompt``).
+        logit_bias: ``{token_id: bias}`` added to the target's logits at every position
+            before anything reads them (``-inf`` bans a token). Verification then accepts
+            exactly what the biased target would produce, at T=0 and T>0 alike.
+        n_probs: return the log-probabilities of each returned token and of the
+            ``n_probs`` most likely tokens at its position (:class:`TokenLogprob`); 0 = none.
+        post_sampling_probs: take those from the sampling distribution of ``params``
+            (:func:`token_logprobs`), not the target's full softmax (llama-server's flag).
+        constraint: a :class:`~flashdraft.constraints.Constraint` (JSON schema, grammar):
+            every target row is masked with the grammar state it follows, so the output is
+            exactly the constrained target's; drafts are cut at the first refused token.
+        client: who sent the request (:func:`flashdraft.drafters.suffix.client_key` of its API
+            key, None = none): drafters that learn from past answers keep each client's apart.
+    """
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] | tuple[str, ...] = ()
+    n_draft: int | None = None
+    ignore_eos: bool = False
+    cache_prompt: bool = False
+    logit_bias: dict[int, float] | None = None
+    n_probs: int = 0
+    post_sampling_probs: bool = False
+    constraint: object = None
+    client: str | None = None
+
+
 class SpeculativeGenerator:
     """Owns a target, a drafter and the per-request caches.
 
@@ -238,39 +299,36 @@ class SpeculativeGenerator:
     def warmup(self) -> None:
         """One short greedy generation through target and drafter (results discarded)."""
         ids = self.target.encode("Hello, hello, hello") or [0]
-        for _ in self.generate(ids[: self.ctx_size // 2], 4, SamplingParams(), ignore_eos=True):
+        for _ in self.generate(GenerationRequest(ids[: self.ctx_size // 2], 4, ignore_eos=True)):
             pass
         if self.controller is not None:  # first forwards are slow (kernel setup): not real step costs
             self.controller.reset()
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-                 stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
-                 ignore_eos: bool = False, cancelled: Callable[[], bool] | None = None,
-                 cache_prompt: bool = False, logit_bias: dict[int, float] | None = None,
-                 n_probs: int = 0, constraint=None, post_sampling_probs: bool = False,
-                 client: str | None = None) -> Iterator[Step]:
-        """Generate up to ``max_tokens`` tokens after ``prompt_ids``; yields :class:`Step`.
+    def generate(self, request: GenerationRequest | list[int], *args,
+                 cancelled: Callable[[], bool] | None = None, **kw) -> Iterator[Step]:
+        """Answer ``request``; yields :class:`Step`, the last with ``finish_reason`` set.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
         prefill, then one verify per step). The server's parallel slots step several
-        sequences with one packed forward instead (:mod:`flashdraft.batch`).
+        sequences with one packed forward instead (:mod:`flashdraft.batch`). ``request``
+        may also be given as :class:`GenerationRequest`'s own arguments
+        (``generate(prompt_ids, max_tokens, params, stop=...)``).
 
-        ``cache_prompt``: start from :attr:`prompt_cache`, the target and drafter caches of
-        the previous call, and prefill only what follows the longest common prefix
-        (llama-server's ``cache_prompt``; multi-turn chat then prefills the new turn only).
-        Whatever the flag, a call that ends (finished or cancelled) leaves its caches there.
-        ``logit_bias`` / ``n_probs`` / ``constraint`` / ``client``: as :class:`Sequence`.
+        With ``request.cache_prompt`` the sequence starts from :attr:`prompt_cache`, the
+        target and drafter caches of the previous call, and prefills only what follows the
+        longest common prefix (multi-turn chat then prefills the new turn only). Whatever
+        the flag, a call that ends (finished or cancelled) leaves its caches there.
 
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
             ValueError: ``max_tokens < 1`` or an empty prompt.
             Cancelled: when ``cancelled()`` turns True (checked once per verify step).
         """
+        if not isinstance(request, GenerationRequest):
+            request = GenerationRequest(request, *args, **kw)
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
-        seq = Sequence(self, prompt_ids, max_tokens, params, stop, n_draft, ignore_eos,
-                       reuse=cached if cache_prompt else None, logit_bias=logit_bias, n_probs=n_probs,
-                       constraint=constraint, post_sampling_probs=post_sampling_probs, client=client)
+        seq = Sequence(self, request, reuse=cached)
         cached = None  # the sequence owns the reused cache now; a dropped one is freed at once
         while not seq.done:
             if seq.prefilled and cancelled is not None and cancelled():
@@ -295,49 +353,35 @@ class Sequence:
     Args:
         generator: target, context size and default depth (its drafter and controller
             unless ``drafter`` / ``controller`` are given).
-        prompt_ids / max_tokens / params / stop / n_draft / ignore_eos: as in
-            :meth:`SpeculativeGenerator.generate`.
+        request: what to answer and how (:class:`GenerationRequest`).
         drafter: this sequence's drafter (a parallel slot's own, see :meth:`Drafter.fork`);
             it is ``reset()`` here.
         controller: this sequence's depth controller (a slot's own); None = the generator's.
         reuse: the caches the previous sequence of this drafter left (:meth:`leftover`);
-            the prompt's longest common prefix with them is not prefilled again. None =
-            fresh caches.
-        logit_bias: ``{token_id: bias}`` added to the target's logits at every position
-            before anything reads them (``-inf`` bans a token). Verification then accepts
-            exactly what the biased target would produce, at T=0 and T>0 alike.
-        n_probs: return the log-probabilities of each returned token and of the
-            ``n_probs`` most likely tokens at its position (:class:`TokenLogprob`); 0 = none.
-        post_sampling_probs: take those from the sampling distribution of ``params``
-            (:func:`token_logprobs`), not the target's full softmax.
-        constraint: a :class:`~flashdraft.constraints.Constraint` (JSON schema, grammar):
-            every target row is masked with the grammar state it follows, so the output is
-            exactly the constrained target's; drafts are cut at the first refused token.
-        client: who sent the request (:func:`flashdraft.drafters.suffix.client_key` of its API
-            key, None = none): drafters that learn from past answers keep each client's apart.
+            with ``request.cache_prompt`` the prompt's longest common prefix with them is
+            not prefilled again. None = fresh caches.
     Raises:
         ContextOverflowError: prompt too long for ``ctx_size``.
         ValueError: ``max_tokens < 1`` or an empty prompt.
     """
 
-    def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], max_tokens: int,
-                 params: SamplingParams, stop: list[str] | tuple[str, ...] = (), n_draft: int | None = None,
-                 ignore_eos: bool = False, drafter: Drafter | None = None,
-                 controller: ProfitController | None = None, reuse: PromptCache | None = None,
-                 logit_bias: dict[int, float] | None = None, n_probs: int = 0, constraint=None,
-                 post_sampling_probs: bool = False, client: str | None = None):
+    def __init__(self, generator: SpeculativeGenerator, request: GenerationRequest,
+                 drafter: Drafter | None = None, controller: ProfitController | None = None,
+                 reuse: PromptCache | None = None):
+        r = self.request = request
+        prompt_ids, params = r.prompt_ids, r.params
         generator.check_prompt(len(prompt_ids))
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if r.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {r.max_tokens}")
         target = generator.target
-        self.target, self.ctx_size, self.max_tokens, self.params = target, generator.ctx_size, max_tokens, params
-        self.n_draft = generator.n_draft if n_draft is None else n_draft
+        self.target, self.ctx_size, self.max_tokens, self.params = target, generator.ctx_size, r.max_tokens, params
+        self.n_draft = generator.n_draft if r.n_draft is None else r.n_draft
         self.drafter = generator.drafter if drafter is None else drafter
         self.controller = generator.controller if controller is None else controller
         self.drafting = not isinstance(self.drafter, NoDrafter)
         self.gen = params.make_generator(target.device)  # sampled where the logits are
-        self.eos = set() if ignore_eos else target.eos_token_ids
-        self.stream = TextStream(target.decode, stop)
+        self.eos = set() if r.ignore_eos else target.eos_token_ids
+        self.stream = TextStream(target.decode, r.stop)
         # committed ids (the last: the anchor), host-side: stops, prompt lookup and the
         # grammar read them; the forward copies only each step's few new ids to the device
         self.tokens = torch.tensor(prompt_ids, dtype=torch.long, device=HOST)
@@ -345,7 +389,7 @@ class Sequence:
         self.finish_reason: str | None = None
         # prompt cache: the drafter keeps the shared prefix's context (as much as it can),
         # the target cache is rolled back to the same point; else both start empty
-        n_cached = common_prefix(reuse, prompt_ids)
+        n_cached = common_prefix(reuse, prompt_ids) if r.cache_prompt else 0
         n_cached = self.drafter.rewind(n_cached) if n_cached else 0
         if n_cached:
             self.cache = reuse.cache
@@ -355,15 +399,13 @@ class Sequence:
             self.cache = target.new_cache(kv=generator.kv)
         self.n_cached = n_cached
         self.n_prompt = len(prompt_ids)
-        self.drafter.start_request(client)
+        self.drafter.start_request(r.client)
         self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
         self.bias = None
-        if logit_bias:
-            self.bias = (torch.tensor(list(logit_bias), dtype=torch.long, device=target.device),
-                         torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=target.device))
-        self.n_probs = n_probs
-        self.post_sampling_probs = post_sampling_probs
-        self.constraint = constraint
+        if r.logit_bias:
+            self.bias = (torch.tensor(list(r.logit_bias), dtype=torch.long, device=target.device),
+                         torch.tensor(list(r.logit_bias.values()), dtype=torch.float32, device=target.device))
+        self.constraint = r.constraint
         if self.controller is not None:
             self.controller.start_request()
         # filled by prepare() for finish(): this step's drafts, depth and start time
@@ -427,11 +469,11 @@ class Sequence:
             self.constraint.advance(step.token_ids)
         if step.finish_reason:  # the answer is whole: a drafter may keep it for later requests
             self.drafter.finish_request(self.tokens, self.n_prompt)
-        if self.n_probs and step.token_ids:
+        if self.request.n_probs and step.token_ids:
             # row i of the forward chose returned token i (prefill: its one row; verify: the
             # anchor's row, then one per accepted draft, the last giving the bonus token)
-            step.logprobs = token_logprobs(logits[: len(step.token_ids)], step.token_ids, self.n_probs,
-                                           self.params if self.post_sampling_probs else None)
+            step.logprobs = token_logprobs(logits[: len(step.token_ids)], step.token_ids, self.request.n_probs,
+                                           self.params if self.request.post_sampling_probs else None)
         return step
 
     def _finish_prefill(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
@@ -473,16 +515,11 @@ class Sequence:
         finish, kept, produced = _emit(self.stream, new, self.eos, self.max_tokens, t)
         if finish is None and self.tokens.shape[0] >= self.ctx_size:
             finish = "length"
-        t.n_steps += 1
         t.count_step(produced)
         t.draft_depth_sum += self._depth
         t.draft_depth_last = self._standing
-        if n:
-            t.n_drafts += 1
-            t.draft_n += n
-            # an accepted draft counts if it was produced (an accepted end of sequence too)
-            t.draft_n_accepted += min(n_acc, produced)
-            _count_positions(t, n, min(n_acc, produced))
+        if n:  # an accepted draft counts if it was produced (an accepted end of sequence too)
+            t.count_draft(n, min(n_acc, produced))
         t.predicted_ms = 1e3 * (time.perf_counter() - self._t1)
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
@@ -537,13 +574,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], n_top: int,
             for tok, c, ids, vals in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
 
 
-def _count_positions(t: Timings, n: int, n_acc: int) -> None:
-    while len(t.drafted_per_position) < n:
-        t.drafted_per_position.append(0)
-        t.accepted_per_position.append(0)
-    for k in range(n):
-        t.drafted_per_position[k] += 1
-        t.accepted_per_position[k] += int(k < n_acc)
+def _add_counts(dst: list[int], src: list[int]) -> None:
+    """``dst[k] += src[k]`` for every k, ``dst`` grown with zeros to ``src``'s length."""
+    dst.extend([0] * (len(src) - len(dst)))
+    for k, n in enumerate(src):
+        dst[k] += n
 
 
 def _emit(stream: TextStream, new: list[int], eos: set[int], max_tokens: int,
@@ -568,7 +603,7 @@ def generate_text(generator: SpeculativeGenerator, prompt_ids: list[int], max_to
                   params: SamplingParams, **kw) -> tuple[str, list[int], str, Timings]:
     """Run :meth:`SpeculativeGenerator.generate` to the end: ``(text, token_ids, finish, timings)``."""
     text, ids, finish, timings = [], [], None, None
-    for step in generator.generate(prompt_ids, max_tokens, params, **kw):
+    for step in generator.generate(GenerationRequest(prompt_ids, max_tokens, params, **kw)):
         text.append(step.text)
         ids.extend(step.token_ids)
         finish, timings = step.finish_reason, step.timings

@@ -44,9 +44,9 @@ class PacedGenerator(SpeculativeGenerator):
         self.delay = delay
         self.started: list[list[int]] = []
 
-    def generate(self, prompt_ids, *a, **kw):
-        self.started.append(list(prompt_ids))
-        for i, step in enumerate(super().generate(prompt_ids, *a, **kw)):
+    def generate(self, request, *a, **kw):
+        self.started.append(list(request.prompt_ids))
+        for i, step in enumerate(super().generate(request, *a, **kw)):
             if i and self.delay:
                 time.sleep(self.delay)
             yield step

@@ -166,10 +166,11 @@ def test_hf_dflash_adapter_drafts_like_ours():
 
 def test_counters_from_engine_timings():
     # 4 steps: prefill (no draft), then drafts of 3 accepting 2, of 3 accepting 0, of 2 accepting 2
-    t = Timings(predicted_n=1 + 3 + 1 + 3, n_steps=4, draft_n=8, draft_n_accepted=4,
+    t = Timings(predicted_n=1 + 3 + 1 + 3, n_steps=1, draft_n=8, draft_n_accepted=4,
                 accepted_per_position=[2, 2, 0], drafted_per_position=[3, 3, 1])
-    for produced in (3, 1, 3):
+    for produced in (3, 1, 3):  # each verify step counts itself in n_steps
         t.count_step(produced)
+    assert t.n_steps == 4
     c = counts_from_timings(t)
     assert c.accepted_hist == [1, 0, 2]  # verify steps only: the prefill's token is none
     assert c.tau() == pytest.approx(7 / 3) == pytest.approx(t.acceptance_length)

@@ -18,7 +18,7 @@ from devices import ACCELERATOR_PARAMS, save_tiny_pair
 from flashdraft.cli import main
 from flashdraft.device import DeviceUnavailableError, resolve_device
 from flashdraft.engine import EngineConfig, load_engine
-from flashdraft.generate import generate_text
+from flashdraft.generate import GenerationRequest, generate_text
 from flashdraft.sampling import SamplingParams
 
 PROMPT = "t5 t9 t17 t33"  # the tiny target's greedy answer to it is varied, not one repeated token
@@ -169,7 +169,7 @@ def test_sampling_and_packed_slots_on_device(pair, device):
     assert answer(gen, params)[0] == answer(gen, params)[0]
     slots = make_slots(gen, 2)
     for slot in slots:
-        start(gen, slot, gen.target.encode(PROMPT), 8, SamplingParams())
+        start(gen, slot, GenerationRequest(gen.target.encode(PROMPT), 8, SamplingParams()))
     while not all(s.seq.done for s in slots):
         live = [s.seq for s in slots if not s.seq.done]
         for result in step_together(gen.target, live):

@@ -303,11 +303,12 @@ def _decode_together(gen, prompts, n_tokens):
     """Greedy answers to ``prompts``, one slot each, every step one batched forward
     (the server's -np N); fails on any slot's error."""
     from flashdraft import batch
+    from flashdraft.generate import GenerationRequest
     from flashdraft.sampling import SamplingParams
 
     slots = batch.make_slots(gen, len(prompts))
     for slot, ids in zip(slots, prompts):
-        batch.start(gen, slot, ids, n_tokens, SamplingParams())
+        batch.start(gen, slot, GenerationRequest(ids, n_tokens, SamplingParams()))
     out = [[] for _ in slots]
     while any(s.seq is not None and not s.seq.done for s in slots):
         live = [s for s in slots if s.seq is not None and not s.seq.done]

@@ -12,7 +12,7 @@ from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
 from flashdraft.drafters.draft_model import DraftModelDrafter
 from flashdraft.drafters.hybrid import HybridDrafter
 from flashdraft.drafters.ngram import NgramDrafter
-from flashdraft.generate import PromptCache, SpeculativeGenerator, generate_text
+from flashdraft.generate import GenerationRequest, PromptCache, SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
 from tiny import tiny_model, tiny_target
 
@@ -103,7 +103,7 @@ def test_slots_pick_the_slot_with_the_longest_prefix_and_reuse_it():
     a, b = TURN1, [40, 41, 42, 43, 44, 45]
     outs = {}
     for slot, prompt in zip(slots, (a, b)):  # one request per slot, run to the end together
-        batch.start(gen, slot, prompt, 6, GREEDY, ignore_eos=True, cache_prompt=True)
+        batch.start(gen, slot, GenerationRequest(prompt, 6, GREEDY, ignore_eos=True, cache_prompt=True))
     while any(not s.free and not s.seq.done for s in slots):
         live = [s for s in slots if not s.seq.done]
         batch.step_together(target, [s.seq for s in live])
@@ -113,7 +113,7 @@ def test_slots_pick_the_slot_with_the_longest_prefix_and_reuse_it():
     follow = b + outs[1][:-1] + [9, 9]
     assert batch.best_slot(slots, follow) is slots[1]
     slot = slots[1]
-    batch.start(gen, slot, follow, 7, GREEDY, ignore_eos=True, cache_prompt=True)
+    batch.start(gen, slot, GenerationRequest(follow, 7, GREEDY, ignore_eos=True, cache_prompt=True))
     assert slot.seq.t.cache_n == len(b) + len(outs[1]) - 1
     ids = []
     while not slot.seq.done:

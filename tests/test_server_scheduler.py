@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from flashdraft.drafters.ngram import NgramDrafter
-from flashdraft.generate import Cancelled, SpeculativeGenerator
+from flashdraft.generate import Cancelled, GenerationRequest, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.server.metrics import ServerMetrics
-from flashdraft.server.scheduler import GenerationJob, JobFailed, Scheduler
+from flashdraft.server.scheduler import JobFailed, Scheduler
 from tiny import tiny_target
 
 PROMPT = [5, 9, 17, 3, 22, 41]
@@ -23,9 +23,9 @@ class RecordingGenerator(SpeculativeGenerator):
         super().__init__(*a, **kw)
         self.started: list[list[int]] = []
 
-    def generate(self, prompt_ids, *a, **kw):
-        self.started.append(list(prompt_ids))
-        return super().generate(prompt_ids, *a, **kw)
+    def generate(self, request, *a, **kw):
+        self.started.append(list(request.prompt_ids))
+        return super().generate(request, *a, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def generator():
     return RecordingGenerator(tiny_target(), NgramDrafter(), ctx_size=256, n_draft=4)
 
 
-def job(prompt=PROMPT, n=8) -> GenerationJob:
-    return GenerationJob(list(prompt), n, SamplingParams(), [], ignore_eos=True)
+def job(prompt=PROMPT, n=8) -> GenerationRequest:
+    return GenerationRequest(list(prompt), n, SamplingParams(), [], ignore_eos=True, cache_prompt=True)
 
 
 async def drain(ticket) -> list:

@@ -16,9 +16,8 @@ from flashdraft.cache import StaticKVCache
 from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.fast_forward import can_pack
-from flashdraft.generate import Cancelled, SpeculativeGenerator, generate_text
+from flashdraft.generate import Cancelled, GenerationRequest, SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.server.scheduler import GenerationJob
 from test_server_scheduler import run as run_scheduler
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 from flashdraft.target import Target
@@ -92,8 +91,8 @@ def test_forward_packed_falls_back_for_other_caches():
 
 # -- the scheduler with -np > 1 -----------------------------------------------------------
 
-def _job(prompt, n, params=GREEDY, stop=()) -> GenerationJob:
-    return GenerationJob(list(prompt), n, params, list(stop), ignore_eos=True)
+def _job(prompt, n, params=GREEDY, stop=()) -> GenerationRequest:
+    return GenerationRequest(list(prompt), n, params, list(stop), ignore_eos=True, cache_prompt=True)
 
 
 async def _collect(ticket) -> tuple[list[int], str, float]:
@@ -224,7 +223,7 @@ def test_real_model_concurrent_greedy_equals_alone():
     alone = [generate_text(gen, p, 24, GREEDY)[1] for p in prompts]
 
     async def go(s):
-        return await asyncio.gather(*(_collect(s.submit(GenerationJob(p, 24, GREEDY, []))) for p in prompts))
+        return await asyncio.gather(*(_collect(s.submit(GenerationRequest(p, 24, GREEDY, [], cache_prompt=True))) for p in prompts))
 
     assert [r[0] for r in _serve(gen, 4, go)] == alone
 

@@ -3,19 +3,20 @@
 Here the request meets the model: chat messages are rendered by the chat template (with the
 tool list in the system turn), prompts are tokenised and checked against the context, the
 constraint (grammar, JSON schema, tool calls) is compiled, and the sampling settings are
-laid over the server's defaults. One :class:`GenerationJob` per prompt and choice.
+laid over the server's defaults. One job (the engine's
+:class:`~flashdraft.generate.GenerationRequest`) per prompt and choice.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from flashdraft.generate import ContextOverflowError
+from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
+from flashdraft.generate import ContextOverflowError, GenerationRequest
 from flashdraft.sampling import SamplingParams
 from flashdraft.server.errors import APIError, bad_request
 from flashdraft.server.limits import over
 from flashdraft.server.request import GenRequest
-from flashdraft.server.scheduler import GenerationJob
 from flashdraft.server.tools import tool_grammar, tool_prompt
 
 #: smaller positive temperatures are run as greedy (see :func:`sampling`)
@@ -24,7 +25,7 @@ MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
 
 
-def build(req: GenRequest, state) -> list[GenerationJob]:
+def build(req: GenRequest, state) -> list[GenerationRequest]:
     """The request's jobs, in answer order (the choices of a prompt next to each other, as
     OpenAI orders them).
 
@@ -74,7 +75,7 @@ def prompt_ids(req: GenRequest, state) -> list[int]:
 
 
 def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = "prompt",
-             constraint_spec: tuple[str, object] | None = None, choice: int = 0) -> GenerationJob:
+             constraint_spec: tuple[str, object] | None = None, choice: int = 0) -> GenerationRequest:
     """One job: the prompt checked against the context, the limit, sampling and constraint.
 
     Args:
@@ -110,12 +111,12 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
     if choice and params.seed is not None:
         params = replace(params, seed=(params.seed + choice) % 2**64)
     s = req.sampling
-    return GenerationJob(prompt_ids, limit, params, req.stop,
-                         settings.ignore_eos if s.ignore_eos is None else s.ignore_eos,
-                         cache_prompt=settings.cache_prompt if s.cache_prompt is None else s.cache_prompt,
-                         logit_bias=logit_bias(req, state), n_probs=req.n_probs,
-                         constraint=constraint(req, state, constraint_spec),
-                         post_sampling_probs=s.post_sampling_probs, client=req.client)
+    return GenerationRequest(prompt_ids, limit, params, req.stop,
+                             ignore_eos=settings.ignore_eos if s.ignore_eos is None else s.ignore_eos,
+                             cache_prompt=settings.cache_prompt if s.cache_prompt is None else s.cache_prompt,
+                             logit_bias=logit_bias(req, state), n_probs=req.n_probs,
+                             post_sampling_probs=s.post_sampling_probs,
+                             constraint=constraint(req, state, constraint_spec), client=req.client)
 
 
 def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):
@@ -125,8 +126,6 @@ def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):
         APIError: 400 for tools with another constraint, or a schema or grammar that does
             not compile (``invalid_grammar``) or cannot run on this tokenizer.
     """
-    from flashdraft.constraints import Constraint, GrammarError, TokenizerInfo, compile_grammar
-
     if spec is not None and req.constraint is not None:
         raise bad_request("tools cannot be combined with response_format, json_schema or grammar",
                           param=req.tools.param)

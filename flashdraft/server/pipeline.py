@@ -128,11 +128,13 @@ async def handle(request: Request, state: ServerState, api: API, prompt_thread: 
         state.require_ready()
         body = await read_body(request, state.settings.limits.body_bytes)
         req, jobs = await prompt_thread.run(_prepare, api, body, request.headers, state)
-        ctx = RenderContext(req, jobs, state, state.check_model(req.model))
+        g = state.generator
+        ctx = RenderContext(req, jobs, state.check_model(req.model), state.prompts, g.drafting, g.ctx_size,
+                            state.settings.verbose)
         if req.stream:
             fmt = api.renderer(ctx).stream()
             if req.timings_per_token:
-                fmt.per_token = lambda t: t.to_dict(state.generator.drafting)
+                fmt.per_token = lambda t: t.to_dict(ctx.drafting)
             return await run.stream(request, state.submit(jobs[0]), fmt, observe, state.settings.sse_ping_interval)
         results = await run.collect(request, state.submit_all(jobs))
         response = JSONResponse(api.renderer(ctx).body(results))

@@ -62,7 +62,7 @@ class MessagesRenderer:
         """Anthropic's ``(stop_reason, stop_sequence)``."""
         if called:
             return "tool_use", None
-        kind, word = stop_details(self.ctx.state.prompts.decode, c, self.ctx.jobs[0].stop)
+        kind, word = stop_details(self.ctx.prompts.decode, c, self.ctx.jobs[0].stop)
         return {"limit": ("max_tokens", None), "word": ("stop_sequence", word)}.get(kind, ("end_turn", None))
 
     def usage(self, t: Timings | None, output: bool = True) -> dict:

@@ -10,10 +10,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashdraft.generate import Step, Timings, TokenLogprob
+from flashdraft.generate import GenerationRequest, Step, Timings, TokenLogprob
 from flashdraft.server.errors import APIError
+from flashdraft.server.prompting import PromptBuilder
 from flashdraft.server.request import GenRequest
-from flashdraft.server.scheduler import GenerationJob
 
 
 @dataclass
@@ -33,18 +33,24 @@ class RenderContext:
 
     Attributes:
         req: the internal request. jobs: its jobs, in answer order.
-        state: the server state (tokenizer pieces, settings, whether the server drafts).
         model: the model id to report.
+        prompts: the tokenizer's side (``decode``, ``piece_and_bytes``).
+        drafting: whether the server drafts (the speculative counters in ``timings``).
+        n_ctx: the context size [tokens].
+        verbose: the server runs with ``-v`` (every answer carries ``__verbose``).
     """
 
     req: GenRequest
-    jobs: list[GenerationJob]
-    state: object
+    jobs: list[GenerationRequest]
     model: str
+    prompts: PromptBuilder
+    drafting: bool
+    n_ctx: int
+    verbose: bool = False
 
     def timings(self, c: Completion) -> dict:
         """llama-server's ``timings`` object of ``c`` (with the speculative counters)."""
-        return c.timings.to_dict(self.state.generator.drafting)
+        return c.timings.to_dict(self.drafting)
 
     def logprobs(self, n_top: int | None = None) -> "Logprobs | None":
         """The log-probability writer when the jobs compute them (``n_top``: alternatives
@@ -52,7 +58,7 @@ class RenderContext:
         job = self.jobs[0]
         if not job.n_probs:
             return None
-        return Logprobs(self.state.prompts.piece_and_bytes, self.req.n_probs if n_top is None else n_top,
+        return Logprobs(self.prompts.piece_and_bytes, self.req.n_probs if n_top is None else n_top,
                         job.post_sampling_probs)
 
 

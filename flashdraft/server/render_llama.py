@@ -19,12 +19,12 @@ class LlamaRenderer:
         ``tokens`` empty unless ``return_tokens``; ``completion_probabilities`` with ``n_probs``;
         ``prompt``: the prompt as the model saw it (special tokens as text)."""
         ctx, job = self.ctx, self.ctx.jobs[0]
-        prompts = ctx.state.prompts
+        prompts = ctx.prompts
         stop_type, word = stop_details(prompts.decode, c, job.stop)
         p = job.params
         settings = {"n_predict": self.wire.n_predict, "temperature": p.temperature, "top_k": p.top_k,
                     "top_p": p.top_p, "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed,
-                    "stop": job.stop, "ignore_eos": job.ignore_eos, "n_ctx": ctx.state.generator.ctx_size}
+                    "stop": job.stop, "ignore_eos": job.ignore_eos, "n_ctx": ctx.n_ctx}
         extra = {"completion_probabilities": self.lps.llama(c.logprobs)} if self.lps else {}
         body = {**extra,
                 "content": c.text, "tokens": c.token_ids if self.wire.return_tokens else [], "id_slot": 0,

@@ -29,9 +29,9 @@ def with_verbose(body: dict, ctx: RenderContext, c: Completion) -> dict:
     """``body`` plus llama-server's ``__verbose`` object when the request (``verbose``) or
     the server (``-v``) asks: the prompt as the model saw it, special tokens included, and
     the first choice's text."""
-    if ctx.req.verbose or ctx.state.settings.verbose:
+    if ctx.req.verbose or ctx.verbose:
         ids = ctx.jobs[0].prompt_ids
-        body["__verbose"] = {"prompt": ctx.state.prompts.decode(ids, skip_special=False), "content": c.text,
+        body["__verbose"] = {"prompt": ctx.prompts.decode(ids, skip_special=False), "content": c.text,
                              "tokens_evaluated": len(ids), "tokens_predicted": c.timings.predicted_n}
     return body
 

@@ -1,6 +1,6 @@
 """One worker thread owns the generator; HTTP handlers talk to it through a queue.
 
-    handler (event loop) ──submit(job)──► queue ──► worker thread: generator.generate(...)
+    handler (event loop) ──submit(job)──► queue ──► worker thread: generator.generate(job)
     handler ◄── Ticket.events() ◄── EventChannel (call_soon_threadsafe) ◄── each Step
 
 Why one thread: torch already uses every core inside one forward, and the target's
@@ -25,49 +25,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from flashdraft import batch
-from flashdraft.generate import Cancelled, SpeculativeGenerator, Step
-from flashdraft.sampling import SamplingParams
+from flashdraft.generate import Cancelled, GenerationRequest, SpeculativeGenerator, Step
 from flashdraft.server import request_log
 from flashdraft.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationJob:
-    """One generation request, already validated and tokenised.
-
-    Attributes:
-        prompt_ids: prompt token ids (non-empty, shorter than the context).
-        max_tokens: most tokens to return (>= 1).
-        params: sampling settings.
-        stop: stop strings.
-        ignore_eos: keep generating past EOS.
-        cache_prompt: reuse the slot's caches for the prompt's common prefix with what
-            the slot decoded last.
-        logit_bias: ``{token_id: bias}`` on the target's logits (``-inf`` bans).
-        n_probs: log-probabilities of each returned token and its top ``n_probs`` alternatives.
-        post_sampling_probs: take them from the sampling distribution (after temperature,
-            top-k, top-p, min-p) instead of the target's full softmax (llama-server's flag).
-        constraint: the request's grammar (:class:`~flashdraft.constraints.Constraint`), or None.
-        client: a key of the API key the request carried (:mod:`flashdraft.server.clients`), or None.
-    """
-
-    prompt_ids: list[int]
-    max_tokens: int
-    params: SamplingParams
-    stop: list[str]
-    ignore_eos: bool = False
-    cache_prompt: bool = True
-    logit_bias: dict[int, float] | None = None
-    n_probs: int = 0
-    constraint: object = None
-    post_sampling_probs: bool = False
-    client: str | None = None
 
 
 class JobFailed(Exception):
@@ -113,9 +78,9 @@ class EventChannel:
 
 
 class Ticket:
-    """A submitted job: its events and its cancel flag."""
+    """A submitted job (one validated, tokenised request): its events and its cancel flag."""
 
-    def __init__(self, job: GenerationJob, channel: EventChannel):
+    def __init__(self, job: GenerationRequest, channel: EventChannel):
         self.job = job
         self.channel = channel
         self._cancel = threading.Event()
@@ -179,7 +144,7 @@ class Scheduler:
         """Start the worker thread."""
         self._thread.start()
 
-    def submit(self, job: GenerationJob) -> Ticket:
+    def submit(self, job: GenerationRequest) -> Ticket:
         """Queue ``job``; call from the event loop that will consume its events.
 
         Raises:
@@ -313,11 +278,7 @@ class Scheduler:
             return ticket.cancelled or self._past_deadline()
 
         try:
-            for step in self.generator.generate(job.prompt_ids, job.max_tokens, job.params, stop=job.stop,
-                                                ignore_eos=job.ignore_eos, cancelled=stopped,
-                                                cache_prompt=job.cache_prompt, logit_bias=job.logit_bias,
-                                                n_probs=job.n_probs, constraint=job.constraint,
-                                                post_sampling_probs=job.post_sampling_probs, client=job.client):
+            for step in self.generator.generate(job, cancelled=stopped):
                 if self.metrics:
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
@@ -393,10 +354,7 @@ class Scheduler:
             job = ticket.job
             slot = batch.best_slot(free, job.prompt_ids) if job.cache_prompt else free[0]
             try:
-                batch.start(self.generator, slot, job.prompt_ids, job.max_tokens, job.params,
-                            stop=job.stop, ignore_eos=job.ignore_eos, cache_prompt=job.cache_prompt,
-                            logit_bias=job.logit_bias, n_probs=job.n_probs, constraint=job.constraint,
-                            post_sampling_probs=job.post_sampling_probs, client=job.client)
+                batch.start(self.generator, slot, job)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashdraft.generate import SpeculativeGenerator
+from flashdraft.constraints import TokenizerInfo
+from flashdraft.generate import GenerationRequest, SpeculativeGenerator
 from flashdraft.server.errors import APIError
 from flashdraft.server.limits import Limits, over
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.prompting import PromptBuilder
-from flashdraft.server.scheduler import GenerationJob, Scheduler, ServerShuttingDown, Ticket
+from flashdraft.server.scheduler import Scheduler, ServerShuttingDown, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ class ServerState:
                 self.on_load_failed(e)
             return
         try:  # the grammar engine's view of the vocabulary (≈ 2 s), before the first request needs it
-            from flashdraft.constraints import TokenizerInfo
-
             TokenizerInfo.for_target(generator.target)
         except Exception as e:  # noqa: BLE001 - constrained requests will report it themselves
             log.warning("grammar constraints unavailable: %s", e)
@@ -192,12 +191,12 @@ class ServerState:
                            code="server_shutting_down")
         raise APIError(503, "Loading model", type="unavailable_error", code="model_loading")
 
-    def submit(self, job: GenerationJob) -> Ticket:
+    def submit(self, job: GenerationRequest) -> Ticket:
         """Queue ``job`` on the worker. Raises APIError 503 once shutdown has begun, or when
         ``--max-queue`` requests already wait (code ``queue_full``)."""
         return self.submit_all([job])[0]
 
-    def submit_all(self, jobs: list[GenerationJob]) -> list[Ticket]:
+    def submit_all(self, jobs: list[GenerationRequest]) -> list[Ticket]:
         """Queue every job of a request, or none: ``--max-queue`` caps the jobs that would
         wait for a slot (those queued plus these, less the free slots), checked for all of
         them first (the event loop runs no other handler in between)."""

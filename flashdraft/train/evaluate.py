@@ -35,7 +35,7 @@ import time
 
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
-from flashdraft.train.stats import AcceptanceStats, ratio
+from flashdraft.train.stats import AcceptanceStats
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def evaluate(generator: SpeculativeGenerator, prompts: list[dict | str], max_tok
             log.warning("skipping prompt %s: %s", item.get("id", i) if isinstance(item, dict) else i, e)
             stats.skipped_prompts += 1
             continue
-        bar.set_postfix(tau=f"{ratio(stats.verify_tokens, sum(stats.histogram)):.2f}", refresh=False)
+        bar.set_postfix(tau=f"{stats.tau:.2f}", refresh=False)
     return {"temperature": params.temperature, "max_tokens": max_tokens, "block_size": block_size,
             **stats.to_dict(block_size), "wall_s": round(time.perf_counter() - t0, 3)}
 
@@ -105,22 +105,7 @@ def _run_one(generator: SpeculativeGenerator, ids: list[int], max_tokens: int, p
              ignore_eos: bool, stats: AcceptanceStats) -> None:
     """One prompt: step lengths go to the histogram, the final Timings to the counters."""
     steps = list(generator.generate(ids, max_tokens, params, ignore_eos=ignore_eos))
-    last = steps[-1]
-    t = last.timings
-    stats.verify_steps += t.n_steps - 1  # the prefill's token is not a verify step
-    stats.verify_tokens += t.verify_n
-    stats.add_counts(stats.histogram, t.step_hist)
-    stats.prompts += 1
-    stats.tokens += t.predicted_n
-    stats.drafted_steps += t.n_drafts
-    stats.draft_n += t.draft_n
-    stats.draft_n_accepted += t.draft_n_accepted
-    stats.prompt_tokens += t.prompt_n
-    stats.prompt_ms += t.prompt_ms
-    stats.decode_ms += t.predicted_ms
-    stats.add_counts(stats.accepted_per_position, t.accepted_per_position)
-    stats.add_counts(stats.drafted_per_position, t.drafted_per_position)
-    stats.finish_reasons[last.finish_reason] = stats.finish_reasons.get(last.finish_reason, 0) + 1
+    stats.add(steps[-1].timings, steps[-1].finish_reason)
 
 
 # ---------------------------------------------------------------- report

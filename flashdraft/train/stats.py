@@ -10,61 +10,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flashdraft.generate import Timings
+
 
 @dataclass
 class AcceptanceStats:
-    """Counters summed over prompts (vLLM ``SpecDecodingStats`` style)."""
+    """Counters summed over prompts (vLLM ``SpecDecodingStats`` style).
+
+    ``total`` holds the counters: the sum of every answered prompt's :class:`Timings`
+    (:meth:`add`); its ``n_steps`` counts each prompt's prefill too.
+    """
 
     prompts: int = 0
     skipped_prompts: int = 0
-    tokens: int = 0  # returned tokens, prefill's first token included
-    verify_tokens: int = 0  # produced by the verify steps (Timings.verify_n)
-    verify_steps: int = 0
-    drafted_steps: int = 0
-    draft_n: int = 0
-    draft_n_accepted: int = 0
-    prompt_tokens: int = 0
-    prompt_ms: float = 0.0
-    decode_ms: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    histogram: list[int] = field(default_factory=list)
+    total: Timings = field(default_factory=Timings)
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
-    def add_counts(self, dst: list[int], src: list[int]) -> None:
-        dst.extend([0] * (len(src) - len(dst)))
-        for k, n in enumerate(src):
-            dst[k] += n
+    def add(self, t: Timings, finish_reason: str) -> None:
+        """Count one answered prompt: its final timings and how it ended."""
+        self.prompts += 1
+        self.total.add(t)
+        self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
 
-    def add_step_length(self, n_tokens: int) -> None:
-        self.histogram.extend([0] * (n_tokens - len(self.histogram)))
-        self.histogram[n_tokens - 1] += 1
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per verify step, rounded (:func:`ratio`)."""
+        return ratio(self.total.verify_n, sum(self.total.step_hist))
 
     def to_dict(self, block_size: int) -> dict:
         """Summary; per-position lists and the histogram are padded to ``block_size - 1`` / ``block_size``.
 
         Per-position acceptance is None where nothing was drafted at that position.
         """
-        drafted = self.drafted_per_position + [0] * (block_size - 1 - len(self.drafted_per_position))
-        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
+        t = self.total
+        drafted = t.drafted_per_position + [0] * (block_size - 1 - len(t.drafted_per_position))
+        accepted = t.accepted_per_position + [0] * (len(drafted) - len(t.accepted_per_position))
         return {
             "prompts": self.prompts,
             "skipped_prompts": self.skipped_prompts,
-            "tokens": self.tokens,
-            "verify_steps": self.verify_steps,
-            "drafted_steps": self.drafted_steps,
-            "tau": ratio(self.verify_tokens, sum(self.histogram)),
-            "tau_drafted": 1.0 + ratio(self.draft_n_accepted, self.drafted_steps) if self.drafted_steps else None,
-            "draft_n": self.draft_n,
-            "draft_n_accepted": self.draft_n_accepted,
-            "acceptance_rate": ratio(self.draft_n_accepted, self.draft_n),
+            "tokens": t.predicted_n,
+            "verify_steps": t.n_steps - self.prompts,  # the prefill's token is not a verify step
+            "drafted_steps": t.n_drafts,
+            "tau": self.tau,
+            "tau_drafted": 1.0 + ratio(t.draft_n_accepted, t.n_drafts) if t.n_drafts else None,
+            "draft_n": t.draft_n,
+            "draft_n_accepted": t.draft_n_accepted,
+            "acceptance_rate": ratio(t.draft_n_accepted, t.draft_n),
             "per_position_acceptance": [ratio(a, d) if d else None for a, d in zip(accepted, drafted)],
             "per_position_drafted": drafted,
-            "histogram": self.histogram + [0] * (block_size - len(self.histogram)),
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "decode_ms": round(self.decode_ms, 3),
-            "decode_tokens_per_second": round(1e3 * self.tokens / self.decode_ms, 3) if self.decode_ms else 0.0,
+            "histogram": t.step_hist + [0] * (block_size - len(t.step_hist)),
+            "prompt_tokens": t.prompt_n,
+            "prompt_ms": round(t.prompt_ms, 3),
+            "decode_ms": round(t.predicted_ms, 3),
+            "decode_tokens_per_second": round(1e3 * t.predicted_n / t.predicted_ms, 3) if t.predicted_ms else 0.0,
             "finish_reasons": dict(self.finish_reasons),
         }
 

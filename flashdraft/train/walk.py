@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashdraft.generate import Timings
 from flashdraft.targets import target_backend
 from flashdraft.train.shards import read_shards
 from flashdraft.train.stats import AcceptanceStats
@@ -54,20 +55,18 @@ def walk_answer(response: Sequence[int], propose: Proposer, n_draft: int, max_to
         max_tokens: the generation limit the answer was made with.
         eos: token ids that end generation.
     """
-    predicted = 0
+    t = Timings(n_steps=1)  # the prefill's step
     finish = None
     if response[0] in eos:
         finish = "stop"
     else:
-        predicted = 1
-        if predicted >= max_tokens:
+        t.predicted_n = 1
+        if t.predicted_n >= max_tokens:
             finish = "length"
     i = 0  # index of the anchor in ``response``
-    acc_pos = stats.accepted_per_position
-    drafted_pos = stats.drafted_per_position
     while finish is None:
         # 1. draft: never past max_tokens (the bonus token adds one)
-        room = min(n_draft, max_tokens - predicted - 1)
+        room = min(n_draft, max_tokens - t.predicted_n - 1)
         drafts = list(propose(i, room))[:room] if room > 0 else []
         n = len(drafts)
         # 2. verify: the leading drafts equal to the answer, then the bonus token
@@ -86,28 +85,15 @@ def walk_answer(response: Sequence[int], propose: Proposer, n_draft: int, max_to
                 finish = "stop"
                 break
             kept.append(tok)
-            predicted += 1
-            if predicted >= max_tokens:
+            t.predicted_n += 1
+            if t.predicted_n >= max_tokens:
                 finish = "length"
                 break
-        stats.verify_steps += 1
-        stats.verify_tokens += produced
-        stats.add_step_length(produced)
+        t.count_step(produced)
         if n:
-            counted = min(n_acc, produced)
-            stats.drafted_steps += 1
-            stats.draft_n += n
-            stats.draft_n_accepted += counted
-            while len(drafted_pos) < n:
-                drafted_pos.append(0)
-                acc_pos.append(0)
-            for k in range(n):
-                drafted_pos[k] += 1
-                acc_pos[k] += int(k < counted)
+            t.count_draft(n, min(n_acc, produced))
         i += n_acc + 1
-    stats.prompts += 1
-    stats.tokens += predicted
-    stats.finish_reasons[finish] = stats.finish_reasons.get(finish, 0) + 1
+    stats.add(t, finish)
 
 
 # ------------------------------------------------------------------------- proposers
