@@ -63,7 +63,7 @@ def segments(req: GenRequest, state):
         APIError: 400 as :meth:`PromptBuilder.render`.
     """
     tools = req.tools
-    system = tool_prompt(tools.active, tools.must_call) if tools.active else None
+    system = tool_prompt(tools.listed) if tools.active else None
     return state.prompts.render(req.messages, req.template_kwargs, system=system,
                                 add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message)

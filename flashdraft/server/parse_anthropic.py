@@ -279,10 +279,10 @@ def tools_of(req: MessagesRequest) -> Tools:
             raise bad_request("tool_choice of type 'tool' needs a 'name'", param="tool_choice.name")
         oa_choice = {"type": "function", "function": {"name": choice.name}}
     try:
-        active = active_tools(openai_tools, oa_choice)
+        listed, active = active_tools(openai_tools, oa_choice)
     except APIError as e:  # active_tools speaks OpenAI's field names: say it in this API's
         message = e.message.replace(".function.name", ".name").replace(".function.parameters", ".input_schema")
         raise bad_request(message, param="tool_choice" if "tool_choice" in message else "tools") from None
     must_call = choice is not None and choice.type in ("any", "tool")
     parallel = False if choice is not None and choice.disable_parallel_tool_use else None
-    return Tools(active=active, must_call=must_call, parallel=parallel, offered=len(tools))
+    return Tools(listed=listed, active=active, must_call=must_call, parallel=parallel, offered=len(tools))

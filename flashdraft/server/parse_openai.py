@@ -43,7 +43,8 @@ def chat_tools(req: ChatCompletionRequest) -> Tools:
         APIError: 400 for a malformed tool or a ``tool_choice`` naming no given tool.
     """
     must_call = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-    return Tools(active=active_tools(req.tools, req.tool_choice), must_call=must_call,
+    listed, active = active_tools(req.tools, req.tool_choice)
+    return Tools(listed=listed, active=active, must_call=must_call,
                  parallel=req.parallel_tool_calls, offered=len(req.tools or []))
 
 

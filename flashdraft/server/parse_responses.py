@@ -227,12 +227,12 @@ def tools_of(req: ResponsesRequest) -> Tools:
                               param="tool_choice")
         choice = {"type": "function", "function": {"name": visible_name(choice.get("namespace"), choice["name"])}}
     try:
-        active = active_tools(openai_tools, choice)
+        listed, active = active_tools(openai_tools, choice)
     except APIError as e:  # active_tools speaks chat completions' field names: say it in this API's
         raise bad_request(e.message.replace("tools[", "tools.").replace("].function.", "."),
                           param=e.param) from None
     must_call = choice == "required" or isinstance(choice, dict)
-    return Tools(active=active, must_call=must_call, parallel=req.parallel_tool_calls, offered=len(openai_tools),
+    return Tools(listed=listed, active=active, must_call=must_call, parallel=req.parallel_tool_calls, offered=len(openai_tools),
                  namespaced=namespaced)
 
 

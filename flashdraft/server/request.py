@@ -38,8 +38,9 @@ class Tools:
     """The tools a chat-like request offers the model.
 
     Attributes:
-        active: ``[{"name", "description", "parameters"}]``, already checked and filtered by
-            the tool choice (:func:`flashdraft.server.tools.active_tools`); empty = no tools.
+        listed: ``[{"name", "description", "parameters"}]``, every tool given, checked: what
+            the prompt's preamble lists (:func:`flashdraft.server.tools.active_tools`).
+        active: those the answer may call (a named tool choice keeps one); empty = no tools.
         must_call: the answer must be a call (``required`` / ``any`` / a named tool).
         parallel: several calls in one answer; None = what the chat template supports.
         param: the request field that holds them (for error messages).
@@ -48,6 +49,7 @@ class Tools:
             Responses ``namespace`` tool, so their calls are answered with both.
     """
 
+    listed: list[dict] = field(default_factory=list)
     active: list[dict] = field(default_factory=list)
     must_call: bool = False
     parallel: bool | None = None

@@ -28,8 +28,12 @@ from flashdraft.server.errors import bad_request
 _PROBE_CALLS = ("flashdraft_probe_first", "flashdraft_probe_second")
 
 
-def active_tools(tools: list[dict] | None, tool_choice: object) -> list[dict]:
-    """The tools the answer may call: ``[{"name", "description", "parameters"}]``.
+def active_tools(tools: list[dict] | None, tool_choice: object) -> tuple[list[dict], list[dict]]:
+    """``(listed, callable)``: the tools the prompt lists and those the answer may call, each
+    ``[{"name", "description", "parameters"}]``. ``listed`` is every tool given (none with
+    ``tool_choice: "none"``) whatever the choice, so the prompt's preamble, and the prompt
+    cache behind it, stay the same when a client varies ``tool_choice``; a named choice
+    narrows only ``callable`` (the grammar).
 
     Raises:
         APIError: 400 for a malformed tool, or a ``tool_choice`` naming a function
@@ -38,7 +42,7 @@ def active_tools(tools: list[dict] | None, tool_choice: object) -> list[dict]:
     if not tools or tool_choice == "none":
         if isinstance(tool_choice, dict) or tool_choice == "required":
             raise bad_request("tool_choice asks for a tool call but no tools were given", param="tool_choice")
-        return []
+        return [], []
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -51,24 +55,26 @@ def active_tools(tools: list[dict] | None, tool_choice: object) -> list[dict]:
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         out.append({"name": name, "description": fn.get("description", ""), "parameters": params})
+    callable_ = out
     if isinstance(tool_choice, dict):
         wanted = (tool_choice.get("function") or {}).get("name")
-        out = [t for t in out if t["name"] == wanted]
-        if not out:
+        callable_ = [t for t in out if t["name"] == wanted]
+        if not callable_:
             raise bad_request(f"tool_choice names {wanted!r}, which is not among the tools", param="tool_choice")
     elif tool_choice not in (None, "auto", "required"):
         raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                           "{\"name\": ...}}", param="tool_choice")
-    return out
+    return out, callable_
 
 
-def tool_prompt(tools: list[dict], must_call: bool) -> str:
-    """The system text that describes the tools and the answer format."""
-    listing = json.dumps(tools, ensure_ascii=False, indent=1)
-    when = ("Answer with a tool call." if must_call else
-            "If a tool helps, answer with a tool call; otherwise answer normally in plain text.")
-    return (f"You can call these tools:\n{listing}\n{when} A tool call is only this JSON object, nothing "
-            'else: {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}')
+def tool_prompt(tools: list[dict]) -> str:
+    """The system text that lists the tools, one compact JSON object per line, and the call
+    format. The same bytes for any ``tool_choice``: whether the answer must call (or which
+    tool) is the grammar's to enforce, so a client that varies it keeps its prompt cache."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools)
+    return (f"You can call these tools:\n{listing}\nTo call tools, answer with only this JSON object, "
+            'nothing else: {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}; '
+            "otherwise answer in plain text.")
 
 
 def calls_schema(tools: list[dict], parallel: bool) -> dict:
