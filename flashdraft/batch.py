@@ -66,10 +66,28 @@ def make_slots(generator: SpeculativeGenerator, n: int) -> list[Slot]:
     return [Slot(i, generator.drafter.fork(), copy.deepcopy(generator.controller)) for i in range(n)]
 
 
-def best_slot(free: list[Slot], prompt_ids: list[int]) -> Slot:
-    """The free slot whose prompt cache shares the longest prefix with ``prompt_ids``
-    (llama-server's slot choice by prompt similarity); the first one when none shares any."""
-    return max(free, key=lambda slot: common_prefix(slot.prompt_cache, prompt_ids))
+#: a slot's cache counts as this prompt's when it holds at least this fraction of the prompt
+#: (llama-server's ``--slot-prompt-similarity`` default): a chat template's first few tokens,
+#: shared by every prompt, do not make a short side request take a long conversation's slot
+SLOT_PROMPT_SIMILARITY = 0.1
+
+
+def best_slot(free: list[Slot], prompt_ids: list[int], reuse: bool = True) -> Slot:
+    """The free slot for a request: the one whose prompt cache shares the longest prefix with
+    ``prompt_ids`` if that covers :data:`SLOT_PROMPT_SIMILARITY` of the prompt (llama-server's
+    slot choice by similarity); otherwise (or with ``reuse`` False: no ``cache_prompt``) the
+    one whose cache holds the fewest tokens, an empty one first, so a side request (an
+    agent's title or summary call) never evicts the slot holding a long prefix while a
+    cheaper one is free."""
+    def held(slot: Slot) -> int:
+        return 0 if slot.prompt_cache is None else len(slot.prompt_cache.tokens)
+
+    if reuse:
+        shared = {slot.index: common_prefix(slot.prompt_cache, prompt_ids) for slot in free}
+        best = max(free, key=lambda slot: shared[slot.index])
+        if shared[best.index] > 0 and shared[best.index] >= SLOT_PROMPT_SIMILARITY * len(prompt_ids):
+            return best
+    return min(free, key=held)
 
 
 def start(generator: SpeculativeGenerator, slot: Slot, request: GenerationRequest) -> None:

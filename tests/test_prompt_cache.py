@@ -119,3 +119,29 @@ def test_slots_pick_the_slot_with_the_longest_prefix_and_reuse_it():
     while not slot.seq.done:
         ids += batch.step_together(target, [slot.seq])[0].token_ids
     assert ids == _fresh(target, _drafters(target)["dflash"], follow, 7)[1]
+
+
+def test_a_side_request_takes_the_cheapest_slot_not_the_long_prefix():
+    """An agent's short title request shares only the chat template's first tokens with the
+    long conversation: it takes the empty (or least filled) slot, and the conversation's next
+    turn still finds its prefix (llama-server's slot similarity, 0.1 of the prompt)."""
+
+    class HeldCache:  # a cache that holds all its tokens
+        def __init__(self, n: int):
+            self.length = n
+
+    def slot(index: int, tokens: list[int] | None) -> batch.Slot:
+        cache = None if tokens is None else PromptCache(tokens, HeldCache(len(tokens)))
+        return batch.Slot(index, None, None, prompt_cache=cache)
+
+    long_turn = [1, 2, 3] + list(range(100, 400))
+    side = [1, 2, 3] + list(range(7, 35))  # 3 of 31 tokens shared: under 0.1
+    slots = [slot(0, long_turn), slot(1, None)]
+    assert batch.best_slot(slots, side) is slots[1]
+    assert batch.best_slot(slots, side, reuse=False) is slots[1]
+    assert batch.best_slot(slots, long_turn + [5, 6]) is slots[0]
+    slots = [slot(0, long_turn), slot(1, [1, 2, 3, 50, 51])]  # both filled: the smaller gives way
+    assert batch.best_slot(slots, side) is slots[1]
+    # a prompt that shares a real part (>= 0.1 of it) with a cache still goes there
+    assert batch.best_slot(slots, [1, 2, 3, 50, 51, 60, 61]) is slots[1]
+    assert batch.best_slot([slot(0, [1, 2, 3, 4]), slot(1, long_turn)], long_turn[:40] + [9]).index == 1

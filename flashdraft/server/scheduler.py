@@ -352,7 +352,7 @@ class Scheduler:
             if not self._accept(ticket):
                 continue
             job = ticket.job
-            slot = batch.best_slot(free, job.prompt_ids) if job.cache_prompt else free[0]
+            slot = batch.best_slot(free, job.prompt_ids, reuse=job.cache_prompt)
             try:
                 batch.start(self.generator, slot, job)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
