@@ -20,7 +20,7 @@ from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
-from flashdraft.target import Target, load_hf_model
+from flashdraft.targets.torch import Target, load_hf_model
 from flashdraft.targets import target_backend
 
 log = logging.getLogger(__name__)

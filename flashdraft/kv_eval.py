@@ -275,7 +275,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """``flashdraft eval-kv``: prints the Markdown table (and writes ``--json-out``)."""
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.threads import apply_threads, describe
 
     log.info("%s", describe(*apply_threads(args.threads)))

@@ -11,7 +11,7 @@ from flashdraft.drafters.draft_model import DraftModelDrafter
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from tiny import tiny_model, tiny_target
 
 GREEDY = SamplingParams()
@@ -170,7 +170,7 @@ def test_load_hf_directory_llama_and_qwen3(tmp_path):
 
 
 def test_missing_model_paths_give_clear_errors(tmp_path):
-    from flashdraft.target import ModelNotFoundError
+    from flashdraft.targets.torch import ModelNotFoundError
     with pytest.raises(ModelNotFoundError, match="not found"):
         Target.load(tmp_path / "nope.gguf")
     with pytest.raises(ModelNotFoundError, match="config.json"):

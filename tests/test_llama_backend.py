@@ -37,7 +37,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_gguf):
     """The same random model on both backends (the GGUF holds its F32 weights)."""
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.targets.llama import LlamaTarget
 
     llama = LlamaTarget(tiny_gguf, n_ctx=256, n_seq=4, tokenizer=byte_tokenizer())
@@ -241,7 +241,7 @@ def test_engine_logs_the_backend_and_why(tiny_gguf, caplog):
 @pytest.fixture(scope="module")
 def real_llama():
     _need_binding()
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.llama import LlamaTarget
 
     return LlamaTarget(default_model_path(), n_ctx=1024, n_seq=4)
@@ -326,7 +326,7 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama, real_plain):
     from flashdraft.engine import EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.sampling import SamplingParams
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     t = real_llama
     prompts, base = real_plain

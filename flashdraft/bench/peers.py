@@ -30,7 +30,7 @@ from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Una
 from flashdraft.bench.measure import Generation, SpecCounts
 from flashdraft.engine import EngineConfig, load_drafter
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target, default_model_path, load_hf_model
+from flashdraft.targets.torch import Target, default_model_path, load_hf_model
 
 HF_PEERS = ("hf", "hf-lookup", "hf-dflash", "hf-draft")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")

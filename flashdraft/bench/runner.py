@@ -251,7 +251,7 @@ def apply_quant(args) -> None:
     if not args.quant:
         return
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.requantize import requantize
 
     src = args.model or str(default_model_path())
@@ -358,7 +358,7 @@ def run(args, target=None) -> int:
     """``flashdraft bench``: prints the report; writes ``--json-out`` / ``--plot`` if asked.
 
     Args:
-        target: an already loaded :class:`flashdraft.target.Target` to use instead of
+        target: an already loaded :class:`flashdraft.targets.torch.Target` to use instead of
             loading ``-m`` (tests, notebooks).
     Raises:
         ValueError: bad flags, unknown configurations or prompt sets, nothing to run.

@@ -181,7 +181,7 @@ def build_zlab(name: str, target, model: str | None, dflash_path: str | None, wo
         return Unavailable(name, "peer", "no DFlash drafter for this target: pass -md PATH")
     if not Path(dflash_path).exists():  # e.g. -md random:1
         return Unavailable(name, "peer", f"z-lab's loop loads a drafter checkpoint from disk; {dflash_path!r} is none")
-    from flashdraft.target import load_hf_model
+    from flashdraft.targets.torch import load_hf_model
 
     out, limits = export_zlab(dflash_path, work_dir / "zlab-drafter")
     drafter = load_zlab_drafter(out)

@@ -288,7 +288,7 @@ def _model_path(given: str | None) -> str:
     """``/props`` ``model_path``: the file served (the packaged GGUF when ``-m`` was not given)."""
     if given:
         return given
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     try:
         return str(default_model_path())

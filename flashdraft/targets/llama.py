@@ -1,6 +1,6 @@
 """The target on llama.cpp's kernels (``--backend llama``): one ``llama_decode`` per step.
 
-Same seam as the torch :class:`~flashdraft.target.Target`: ``forward(token_ids, cache,
+Same seam as the torch :class:`~flashdraft.targets.torch.Target`: ``forward(token_ids, cache,
 logits_from) -> (logits [T', V], features [T, F])`` and a cache that rolls back, so the
 speculative loop, the drafters, sampling, constraints and the server do not know which
 engine runs the target.
@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from flashdraft.target import ModelNotFoundError, TokenizerSide
+from flashdraft.targets.torch import ModelNotFoundError, TokenizerSide
 from flashdraft.targets.binding import binding
 
 log = logging.getLogger(__name__)

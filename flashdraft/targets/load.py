@@ -1,6 +1,6 @@
 """``--backend auto|torch|llama``: which engine runs the target, and why, in one log line.
 
-- ``torch``: :class:`flashdraft.target.Target` (the reference; GPUs; the trainer's forward;
+- ``torch``: :class:`flashdraft.targets.torch.Target` (the reference; GPUs; the trainer's forward;
   ``--weights``, compressed KV caches, ``-md target``).
 - ``llama``: :class:`flashdraft.targets.llama.LlamaTarget` on llama.cpp's kernels (GGUF
   files on the CPU).
@@ -100,7 +100,7 @@ def choose_backend(backend: str, model: str | None, weights: str | None, device:
         b = binding()
     except BindingUnavailableError as e:
         return BackendChoice("torch", f"llama.cpp unavailable: {e}")
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     ok, detail = probe(str(default_model_path() if model is None else model))
     if not ok:
@@ -114,15 +114,15 @@ def load_target(model: str | None, choice: BackendChoice, weights: str | None = 
     """Load the target on the chosen backend (threads: torch's current setting, ``-t``).
 
     Returns:
-        a :class:`~flashdraft.target.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
+        a :class:`~flashdraft.targets.torch.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
     """
     if choice.backend == "llama":
-        from flashdraft.target import default_model_path
+        from flashdraft.targets.torch import default_model_path
         from flashdraft.targets.llama import LlamaTarget
 
         path = default_model_path() if model is None else model
         types = {} if kv is None else dict(cache_type_k=kv.type_k, cache_type_v=kv.type_v)
         return LlamaTarget.load(path, n_ctx=n_ctx, n_seq=n_seq, threads=torch.get_num_threads(), **types)
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     return Target.load(model, weights=weights, device=device)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from flashdraft.device import autocast_device_type, resolve_device
 from flashdraft.drafters.ar import ARDrafter
 from flashdraft.drafters.ar_model import ARDraftModel, ar_from_target, load_ar_drafter, save_ar_drafter
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.train.loop import (TrainConfig, bf16_default, checkpoint_and_eval, draft_vocabulary, record_eval,
                                    write_log)
 from flashdraft.train.objective import cosine_lr

@@ -128,7 +128,7 @@ def heldout_answers(args) -> None:
 def run(args) -> int:
     import torch
 
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.loop import TrainConfig, Trainer
 
     if args.threads:

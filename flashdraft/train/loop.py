@@ -31,7 +31,7 @@ from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_t
                                         drafter_config_for_target, init_from_target)
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.targets import target_backend
 from flashdraft.train.objective import cosine_lr, default_gamma, dflash_loss, sample_anchors
 from flashdraft.train.shards import read_shards

@@ -1,7 +1,7 @@
 """Regenerate training answers with the target through the packed multi-sequence forward.
 
 The server's parallel slots pack the rows of several sequences into one target forward
-(:meth:`flashdraft.target.Target.forward_packed`): each weight is read once per step for
+(:meth:`flashdraft.targets.torch.Target.forward_packed`): each weight is read once per step for
 all of them. Regeneration is the same problem with many more sequences, so it uses the
 same forward with *continuous batching*: ``batch_size`` sequences decode together; when
 one ends (EOS or ``max_new_tokens``) the next prompt is prefilled in the same packed
@@ -60,7 +60,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
     """Continuous-batched generation; yields answers as they end.
 
     Args:
-        target: a :class:`~flashdraft.target.Target` on the lean path.
+        target: a :class:`~flashdraft.targets.torch.Target` on the lean path.
         prompts: ``(id, prompt token ids)`` in the order to start them.
         max_new_tokens: most tokens per answer.
         params: greedy (temperature 0) or the sampling filters to sample with.
@@ -149,7 +149,7 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
     ``< num_layers - 1``).
 
     Also the path of a torch target without the lean forward (Gemma):
-    :meth:`~flashdraft.target.Target.forward_packed` then runs one forward per sequence."""
+    :meth:`~flashdraft.targets.torch.Target.forward_packed` then runs one forward per sequence."""
     from flashdraft.train.features import top_logprobs
 
     if hasattr(target, "ensure_sequences"):
@@ -196,7 +196,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     Args:
         prompts: ``[{"id", "prompt"}, ...]``; each prompt is one user message in the chat template
             (a base model without one gets the text, or the item's ``raw_prompt``:
-            :meth:`~flashdraft.target.TokenizerSide.user_prompt_ids`).
+            :meth:`~flashdraft.targets.torch.TokenizerSide.user_prompt_ids`).
         target: a loaded Target (tests); else loaded from ``model`` (None = packaged default).
         temperature / top_k / top_p: 0 = greedy; otherwise the sampling filters.
         weights: ``fp32`` or ``bf16`` (the answers of bf16 weights are bf16 greedy answers).
@@ -211,7 +211,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     """
     from tqdm import tqdm
 
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     ids = [p["id"] for p in prompts]
     if len(set(ids)) != len(ids):
