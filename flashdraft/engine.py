@@ -21,7 +21,6 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.targets.torch import Target, load_hf_model
-from flashdraft.targets import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,7 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
     if path.startswith("random"):
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
-        if getattr(target, "model", None) is None:
+        if target.model is None:
             raise ValueError("-md random builds a drafter from the target's torch config: use --backend torch")
         model = random_dflash_model(target.model, num_layers=layers).to(target.device, cfg.drafter_dtype(target.device))
     else:
@@ -275,7 +274,7 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         check_drafter_fits({**model.config, "num_target_layers": model.config["ar_drafter"].get("num_target_layers")},
                            target, path)
         return ARDrafter(model, embed, target.vocab_size)
-    if path == "target" and getattr(target, "model", None) is None:
+    if path == "target" and target.model is None:
         raise ValueError("-md target drafts with the target's torch model: use --backend torch, or -md self:N")
     model = target.model if path == "target" else load_hf_model(path, cfg.drafter_dtype(target.device), target.device)[0]
     return DraftModelDrafter(model, target.vocab_size)
@@ -372,7 +371,7 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
         table = costs.load_or_measure(target, k_max=n_max + 1)
         log.info("%s", table.describe())
         verify_costs = table.verify_seconds(n_max)
-    return make_controller(kind, n_max, getattr(drafter, "SOURCES", ()), getattr(drafter, "source_max_draft", None),
+    return make_controller(kind, n_max, drafter.SOURCES, drafter.source_max_draft,
                            verify_costs)
 
 
@@ -384,8 +383,7 @@ def exact_step_threads(target) -> None:
     lossless means the same tokens in every mode (docs/performance.md §12, "Threads").
     Costs plain decoding at ``-t 2`` ≈ 27% here (11.1 vs 15.2 ms a step). Call it whenever
     generators with different drafters take turns on one target (the bench)."""
-    if hasattr(target, "set_step_threads"):
-        target.set_step_threads(1)
+    target.set_step_threads(1)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -406,13 +404,13 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
                     cfg.spec_type)
     if target is None:
         target = load_engine_target(cfg)
-    if target_backend(target) == "llama":  # its context holds K/V of the types it was made with
+    if target.backend == "llama":  # its context holds K/V of the types it was made with
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     exact_step_threads(target)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
-    if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
+    if not isinstance(drafter, NoDrafter):
         drift = target.verify_drift()
         if drift:
             log.warning("on this model llama.cpp's batched verify rows differ from one-token steps (logits up to "

@@ -45,6 +45,26 @@ def tiny_pair(tiny_gguf):
     return llama, ref
 
 
+def test_both_backends_meet_the_target_contract(tiny_pair):
+    """Every member of :class:`flashdraft.targets.base.Target` is there on both backends, and the
+    declared capabilities hold: the llama target has no torch model and sizes its context for
+    its sequences; the torch target's thread and sequence calls do nothing and report no drift."""
+    from flashdraft.targets.base import Target as Contract
+
+    members = {n for n in vars(Contract) if not n.startswith("_")} | set(Contract.__annotations__)
+    llama, ref = tiny_pair
+    for t in (llama, ref):
+        missing = [n for n in members if not hasattr(type(t), n) and n not in vars(t)]
+        assert not missing, (type(t).__name__, missing)
+    assert (llama.backend, ref.backend) == ("llama", "torch")
+    assert llama.model is None and llama.lean is None and ref.model is not None
+    before = ref.new_cache()
+    ref.set_step_threads(4)
+    ref.ensure_sequences(64)
+    assert ref.verify_drift() == 0.0 and before.length == 0
+    assert llama.n_seq_max == 2 * 4 + 1  # each slot's sequence and prompt cache, one spare
+
+
 def test_tiny_gguf_logits_and_features_match_torch(tiny_pair):
     """Same weights, two engines: logits within 1e-2 (of logits up to ~5), the same argmax,
     and the layer outputs (llama.cpp's inputs of the next layer) within 1e-3."""

@@ -147,7 +147,7 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
         draft_model: ``--draft-model`` path for ``hf-draft``.
         dflash_path: the DFlash drafter for ``hf-dflash`` (None = none available).
     """
-    if getattr(target, "model", None) is None:
+    if target.model is None:
         return Unavailable(name, "peer", "transformers runs the target's torch model: use --backend torch")
     if name == "hf":
         return HFContender(name, target, {}, speculative=False)

@@ -97,7 +97,7 @@ class ARTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.target = target or Target.load(cfg.target, device=resolve_device(cfg.device))
-        if getattr(self.target, "model", None) is None:
+        if self.target.model is None:
             raise ValueError("training an AR drafter needs the target's torch model: use the torch backend")
         self.device = self.target.device
         self.data_dirs = [Path(d) for d in str(cfg.data_dir).split(",") if d]

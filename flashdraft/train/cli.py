@@ -151,7 +151,6 @@ def run(args) -> int:
     if args.build_features:
         # on --backend's engine (auto: llama.cpp for a GGUF on the CPU), the one that serves
         from flashdraft.engine import EngineConfig, load_engine_target
-        from flashdraft.targets import target_backend
         from flashdraft.train.features import build_features
         from flashdraft.train.regen import default_stored_layers
 
@@ -159,7 +158,7 @@ def run(args) -> int:
                                                  device=str(device)))
         for d in str(data).split(","):
             n = build_features(d, target, default_stored_layers(target.num_layers))
-            print(f"{d}: features computed for {n} sequences ({target_backend(target)} backend)")
+            print(f"{d}: features computed for {n} sequences ({target.backend} backend)")
         return 0
     target = Target.load(args.target, device=device)
     hours = None if args.max_hours is None else max(0.01, args.max_hours - (time.time() - start) / 3600)

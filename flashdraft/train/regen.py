@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from flashdraft.sampling import SamplingParams, choose_token
-from flashdraft.targets import target_backend
 from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter, storable_layers
 from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
 from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
@@ -152,8 +151,7 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
     :meth:`~flashdraft.targets.torch.Target.forward_packed` then runs one forward per sequence."""
     from flashdraft.train.features import top_logprobs
 
-    if hasattr(target, "ensure_sequences"):
-        target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
+    target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
     target.set_feature_layers(list(layer_ids or []) or None)
     eos = target.eos_token_ids
     pending = iter(prompts)
@@ -276,8 +274,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     writer = ShardWriter(out, next_index, shard_size)
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
-    packed = generate_packed if getattr(target, "lean", None) is not None else generate_packed_llama
-    if target_backend(target) == "llama":
+    packed = generate_packed if target.lean is not None else generate_packed_llama
+    if target.backend == "llama":
         packed = generate_packed_llama
         layer_ids = storable_layers(target, layer_ids)
     feature_writers: dict[int, FeatureWriter] = {}
@@ -292,7 +290,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
                 shard = writer.next_index - 1  # the shard the record just went to
                 if shard not in feature_writers:
                     feature_writers[shard] = FeatureWriter(out, shard, layer_ids, target.hidden_size,
-                                                           backend=target_backend(target))
+                                                           backend=target.backend)
                 feature_writers[shard].write(pid, feats, top_ids, top_logp)
             counts["done"] += 1
             counts[finish] += 1
