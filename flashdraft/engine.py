@@ -20,11 +20,11 @@ from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
-from flashdraft.targets.torch import Target, load_hf_model
+from flashdraft.targets.base import Target
+from flashdraft.targets.torch import load_hf_model
 
 log = logging.getLogger(__name__)
 
-SPEC_TYPES = ("none", "dflash", "draft", "ngram", "suffix", "hybrid")
 #: lookup sources of the hybrid (``--spec-lookup``)
 LOOKUPS = ("ngram", "suffix")
 #: packaged drafters, one directory each (trained with ``flashdraft train``)
@@ -108,6 +108,29 @@ class EngineConfig:
     #: llama.cpp does (f32 attention runs 2.2x slower there), the torch backend in f32
     cache_types_given: bool = False
 
+    @classmethod
+    def from_args(cls, args, **overrides) -> "EngineConfig":
+        """The config of parsed shared flags (:func:`flashdraft.flags.add_model_arguments`, or
+        serve's same flags); ``overrides`` set fields the command decides (serve's per-slot
+        ``ctx_size`` and ``n_parallel``)."""
+        given = args.cache_type_k is not None or args.cache_type_v is not None
+        fields = dict(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
+                      draft_model=args.spec_draft_model, n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size,
+                      cross_ctx=args.spec_dflash_cross_ctx, controller=args.spec_dm_controller,
+                      weights=args.weights, device=args.device, backend=args.backend,
+                      cache_type_k=args.cache_type_k or "f32", cache_type_v=args.cache_type_v or "f32",
+                      cache_types_given=given, cache_type_k_draft=args.cache_type_k_draft,
+                      cache_type_v_draft=args.cache_type_v_draft, kv_sink_tokens=args.kv_sink_tokens,
+                      kv_tail_tokens=args.kv_tail_tokens, lookup=args.spec_lookup, suffix_cache=args.spec_suffix_cache,
+                      suffix_factor=args.spec_suffix_factor, suffix_min_prob=args.spec_suffix_min_prob,
+                      p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype)
+        return cls(**{**fields, **overrides})
+
+    def report(self, names: tuple[str, ...]) -> dict:
+        """``{name: value}`` of these fields (:data:`CACHE_FIELDS`, :data:`DRAFTER_FIELDS`), for
+        the settings a report prints."""
+        return {name: getattr(self, name) for name in names}
+
     def validate(self, device: torch.device | None = None) -> None:
         """Checks that need no model: spec type, controller, cache types, token counts and
         the device (``device``: the one the models are on already, else :attr:`device` resolved).
@@ -179,6 +202,13 @@ class EngineConfig:
     n_parallel: int = 1
 
 
+#: the fields the KV cache flags set (:func:`flashdraft.flags.add_cache_arguments`)
+CACHE_FIELDS = ("cache_type_k", "cache_type_v", "cache_types_given", "cache_type_k_draft", "cache_type_v_draft",
+                "kv_sink_tokens", "kv_tail_tokens")
+#: the fields the drafter network's flags set (:func:`flashdraft.flags.add_drafter_arguments`)
+DRAFTER_FIELDS = ("p_min", "draft_dtype")
+
+
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
     """``--spec-type`` when given; else ``dflash`` when ``-md`` names a drafter, and ``none``
     otherwise: drafting only when asked for, as llama-server decodes plainly without a draft
@@ -194,14 +224,19 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     Raises:
         ValueError: unknown spec type, or a drafter that needs a path and has none.
     """
-    if cfg.spec_type not in SPEC_TYPES:
+    if cfg.spec_type not in DRAFTERS:
         raise ValueError(f"unknown --spec-type {cfg.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
-    if cfg.spec_type == "none":
-        return NoDrafter()
-    if cfg.spec_type in ("ngram", "suffix"):
-        return lookup_drafter(cfg, cfg.spec_type)
-    if cfg.spec_type == "draft":
-        return draft_model_drafter(cfg, target)
+    return DRAFTERS[cfg.spec_type](cfg, target)
+
+
+def dflash_drafter(cfg: EngineConfig, target: Target) -> Drafter:
+    """``--spec-type dflash`` (and ``hybrid``: prompt lookup where it pays, the DFlash drafter
+    elsewhere): ``-md`` a SpecForge directory, GGUF or ``random[:LAYERS]``, else the shipped
+    drafter for this target.
+
+    Raises:
+        ValueError: no drafter for this target, one trained for another, or a bad drafter cache.
+    """
     try:
         draft_kv = cfg.kv_spec(draft=True)
     except ValueError as e:
@@ -288,6 +323,18 @@ def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
         return SuffixDrafter(SuffixStore(cfg.suffix_cache), cfg.suffix_factor, cfg.suffix_min_prob)
     from flashdraft.drafters.ngram import NgramDrafter
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+
+
+#: ``--spec-type`` -> the loader of its drafter, ``(cfg, target) -> Drafter``: the one list of drafters
+DRAFTERS = {
+    "none": lambda cfg, target: NoDrafter(),
+    "dflash": dflash_drafter,
+    "draft": draft_model_drafter,
+    "ngram": lambda cfg, target: lookup_drafter(cfg, "ngram"),
+    "suffix": lambda cfg, target: lookup_drafter(cfg, "suffix"),
+    "hybrid": dflash_drafter,
+}
+SPEC_TYPES = tuple(DRAFTERS)
 
 
 def shipped_drafter_for(target) -> Path | None:

@@ -233,7 +233,7 @@ def test_backend_choice_rules():
 
 
 def test_backend_flag_on_every_command():
-    from flashdraft.cli import add_model_arguments
+    from flashdraft.flags import add_model_arguments
     from flashdraft.server.cli import build_parser
     import argparse
 

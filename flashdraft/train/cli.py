@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flashdraft.argtypes import positive_float
 from flashdraft.device import add_device_argument, device_from_args
+from flashdraft.flags import add_backend_argument
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and data order")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: None = torch's own choice)")
-    from flashdraft.cli import add_backend_argument
-
     add_backend_argument(p)  # the regeneration's target engine (auto: llama.cpp for a GGUF on the CPU)
     add_device_argument(p)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.flags import HelpFormatter, add_backend_argument
 from flashdraft.sampling import SamplingParams, choose_token
 from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter, storable_layers
 from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
@@ -315,8 +316,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    from flashdraft.cli import HelpFormatter
-
+    """The parser of ``python -m flashdraft.train.regen``."""
     ap = argparse.ArgumentParser(prog="python -m flashdraft.train.regen", formatter_class=HelpFormatter,
                                  description="Regenerate training answers with the target (packed, resumable).")
     ap.add_argument("--out", required=True, help="output directory for shards and manifest.json")
@@ -328,8 +328,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
     ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="target weights")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
-    from flashdraft.cli import add_backend_argument
-
     add_backend_argument(ap)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--limit", type=int, default=None, help="only the first N training prompts")
