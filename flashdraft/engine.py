@@ -6,6 +6,7 @@ picks models the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,19 @@ from flashdraft import costs
 from flashdraft.adaptive import CONTROLLERS, make_controller
 from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
+from flashdraft.drafters.ar import ARDrafter
+from flashdraft.drafters.ar_model import ar_from_target, is_ar_drafter, load_ar_drafter
 from flashdraft.drafters.base import Drafter, NoDrafter
+from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
+from flashdraft.drafters.draft_model import DraftModelDrafter
+from flashdraft.drafters.hybrid import HybridDrafter
+from flashdraft.drafters.ngram import NgramDrafter
+from flashdraft.drafters.suffix import SuffixDrafter, SuffixStore
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.targets.base import Target
+from flashdraft.targets.load import choose_backend, load_target
 from flashdraft.targets.torch import load_hf_model
 
 log = logging.getLogger(__name__)
@@ -241,7 +250,6 @@ def dflash_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         draft_kv = cfg.kv_spec(draft=True)
     except ValueError as e:
         raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
-    from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
     path = cfg.draft_model
     if path is None:
         shipped = default_dflash_drafter(cfg.model, target)
@@ -262,8 +270,6 @@ def dflash_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv,
                                 p_min=cfg.p_min)
         if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
-            from flashdraft.drafters.hybrid import HybridDrafter
-
             # prompt lookup may copy past the DFlash block: up to --spec-draft-n-max tokens
             return HybridDrafter(drafter, lookup_drafter(cfg, cfg.lookup), ngram_depth=cfg.n_draft)
         return drafter
@@ -282,10 +288,6 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     Raises:
         ValueError: no ``-md``, a bad ``self:N``, or a drafter made for another target.
     """
-    from flashdraft.drafters.ar import ARDrafter
-    from flashdraft.drafters.ar_model import ar_from_target, is_ar_drafter, load_ar_drafter
-    from flashdraft.drafters.draft_model import DraftModelDrafter
-
     path = cfg.draft_model
     if not path and cfg.model is None and (DEFAULT_AR_DRAFTER_DIR / "config.json").exists():
         path = str(DEFAULT_AR_DRAFTER_DIR)  # the packaged target's own AR drafter
@@ -319,9 +321,7 @@ def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
     """The model-free drafter ``kind`` (``ngram`` or ``suffix``) with ``cfg``'s settings; a
     suffix drafter gets a new store of past answers, which the server's slots share (:meth:`Drafter.fork`)."""
     if kind == "suffix":
-        from flashdraft.drafters.suffix import SuffixDrafter, SuffixStore
         return SuffixDrafter(SuffixStore(cfg.suffix_cache), cfg.suffix_factor, cfg.suffix_min_prob)
-    from flashdraft.drafters.ngram import NgramDrafter
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
 
 
@@ -341,8 +341,6 @@ def shipped_drafter_for(target) -> Path | None:
     """The packaged DFlash drafter made for ``target``'s shape (hidden size, vocabulary,
     layer count: what :func:`check_drafter_fits` checks), or None. So ``-m`` on a GGUF of a
     target we ship a drafter for (SmolLM2-135M-Instruct, Gemma 3 270M) needs no ``-md``."""
-    import json
-
     for config_path in sorted(DRAFTERS_DIR.glob("*-dflash/config.json")):
         config = json.loads(config_path.read_text())
         if (int(config["hidden_size"]), int(config["vocab_size"]), int(config.get("num_target_layers") or -1)) == \
@@ -380,8 +378,6 @@ def load_engine_target(cfg: EngineConfig):
         ValueError: ``--backend llama`` with settings it cannot run, or a bad model path.
         BindingUnavailableError: ``--backend llama`` without a working llama.cpp binding.
     """
-    from flashdraft.targets.load import choose_backend, load_target
-
     device = resolve_device(cfg.device)
     log_device(cfg.device, device)
     kv = cfg.kv_spec()
