@@ -98,21 +98,15 @@ def measure(target, k_max: int = 16, context: int = 256, reps: int = 5) -> CostT
 def cache_key(target, k_max: int, context: int) -> str:
     """What a table depends on: the model file, CPU backend, library build, threads, repack,
     KV types (llama backend) or weights and threads (torch)."""
-    from flashdraft.targets import target_backend
-
-    parts = [target_backend(target), str(k_max), str(context), str(getattr(target, "threads", torch.get_num_threads()))]
-    path = getattr(target, "path", None)
-    if path is not None:
-        st = Path(path).stat()
-        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    else:
-        parts.append(getattr(target, "name", "?"))
-    if target_backend(target) == "llama":
+    if target.backend == "llama":  # its own threads, and the GGUF file it runs
+        st = target.path.stat()
         b = target._b
         lib = Path(b.api.__file__).parent / "lib" / "libllama.so"
-        parts += [b.cpu.variant, str(lib.stat().st_mtime_ns), target.repack, "/".join(target.cache_types)]
+        parts = [target.backend, str(k_max), str(context), str(target.threads), str(target.path.resolve()),
+                 str(st.st_size), str(st.st_mtime_ns), b.cpu.variant, str(lib.stat().st_mtime_ns), target.repack,
+                 "/".join(target.cache_types)]
     else:
-        parts.append(str(getattr(target, "weights", "?")))
+        parts = [target.backend, str(k_max), str(context), str(torch.get_num_threads()), target.name, target.weights]
     try:
         flags = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
     except OSError:

@@ -6,6 +6,7 @@ picks models the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,16 +17,23 @@ from flashdraft import costs
 from flashdraft.adaptive import CONTROLLERS, make_controller
 from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
+from flashdraft.drafters.ar import ARDrafter
+from flashdraft.drafters.ar_model import ar_from_target, is_ar_drafter, load_ar_drafter
 from flashdraft.drafters.base import Drafter, NoDrafter
+from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
+from flashdraft.drafters.draft_model import DraftModelDrafter
+from flashdraft.drafters.hybrid import HybridDrafter
+from flashdraft.drafters.ngram import NgramDrafter
+from flashdraft.drafters.suffix import SuffixDrafter, SuffixStore
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
-from flashdraft.target import Target, load_hf_model
-from flashdraft.targets import target_backend
+from flashdraft.targets.base import Target
+from flashdraft.targets.load import choose_backend, load_target
+from flashdraft.targets.torch import load_hf_model
 
 log = logging.getLogger(__name__)
 
-SPEC_TYPES = ("none", "dflash", "draft", "ngram", "suffix", "hybrid")
 #: lookup sources of the hybrid (``--spec-lookup``)
 LOOKUPS = ("ngram", "suffix")
 #: packaged drafters, one directory each (trained with ``flashdraft train``)
@@ -109,6 +117,29 @@ class EngineConfig:
     #: llama.cpp does (f32 attention runs 2.2x slower there), the torch backend in f32
     cache_types_given: bool = False
 
+    @classmethod
+    def from_args(cls, args, **overrides) -> "EngineConfig":
+        """The config of parsed shared flags (:func:`flashdraft.flags.add_model_arguments`, or
+        serve's same flags); ``overrides`` set fields the command decides (serve's per-slot
+        ``ctx_size`` and ``n_parallel``)."""
+        given = args.cache_type_k is not None or args.cache_type_v is not None
+        fields = dict(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
+                      draft_model=args.spec_draft_model, n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size,
+                      cross_ctx=args.spec_dflash_cross_ctx, controller=args.spec_dm_controller,
+                      weights=args.weights, device=args.device, backend=args.backend,
+                      cache_type_k=args.cache_type_k or "f32", cache_type_v=args.cache_type_v or "f32",
+                      cache_types_given=given, cache_type_k_draft=args.cache_type_k_draft,
+                      cache_type_v_draft=args.cache_type_v_draft, kv_sink_tokens=args.kv_sink_tokens,
+                      kv_tail_tokens=args.kv_tail_tokens, lookup=args.spec_lookup, suffix_cache=args.spec_suffix_cache,
+                      suffix_factor=args.spec_suffix_factor, suffix_min_prob=args.spec_suffix_min_prob,
+                      p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype)
+        return cls(**{**fields, **overrides})
+
+    def report(self, names: tuple[str, ...]) -> dict:
+        """``{name: value}`` of these fields (:data:`CACHE_FIELDS`, :data:`DRAFTER_FIELDS`), for
+        the settings a report prints."""
+        return {name: getattr(self, name) for name in names}
+
     def validate(self, device: torch.device | None = None) -> None:
         """Checks that need no model: spec type, controller, cache types, token counts and
         the device (``device``: the one the models are on already, else :attr:`device` resolved).
@@ -180,6 +211,13 @@ class EngineConfig:
     n_parallel: int = 1
 
 
+#: the fields the KV cache flags set (:func:`flashdraft.flags.add_cache_arguments`)
+CACHE_FIELDS = ("cache_type_k", "cache_type_v", "cache_types_given", "cache_type_k_draft", "cache_type_v_draft",
+                "kv_sink_tokens", "kv_tail_tokens")
+#: the fields the drafter network's flags set (:func:`flashdraft.flags.add_drafter_arguments`)
+DRAFTER_FIELDS = ("p_min", "draft_dtype")
+
+
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
     """``--spec-type`` when given; else ``dflash`` when ``-md`` names a drafter, and ``none``
     otherwise: drafting only when asked for, as llama-server decodes plainly without a draft
@@ -195,19 +233,23 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     Raises:
         ValueError: unknown spec type, or a drafter that needs a path and has none.
     """
-    if cfg.spec_type not in SPEC_TYPES:
+    if cfg.spec_type not in DRAFTERS:
         raise ValueError(f"unknown --spec-type {cfg.spec_type!r}; choose from {', '.join(SPEC_TYPES)}")
-    if cfg.spec_type == "none":
-        return NoDrafter()
-    if cfg.spec_type in ("ngram", "suffix"):
-        return lookup_drafter(cfg, cfg.spec_type)
-    if cfg.spec_type == "draft":
-        return draft_model_drafter(cfg, target)
+    return DRAFTERS[cfg.spec_type](cfg, target)
+
+
+def dflash_drafter(cfg: EngineConfig, target: Target) -> Drafter:
+    """``--spec-type dflash`` (and ``hybrid``: prompt lookup where it pays, the DFlash drafter
+    elsewhere): ``-md`` a SpecForge directory, GGUF or ``random[:LAYERS]``, else the shipped
+    drafter for this target.
+
+    Raises:
+        ValueError: no drafter for this target, one trained for another, or a bad drafter cache.
+    """
     try:
         draft_kv = cfg.kv_spec(draft=True)
     except ValueError as e:
         raise ValueError(f"drafter cache (-ctkd/-ctvd): {e}") from None
-    from flashdraft.drafters.dflash import DFlashDrafter, load_dflash_model, random_dflash_model
     path = cfg.draft_model
     if path is None:
         shipped = default_dflash_drafter(cfg.model, target)
@@ -218,7 +260,7 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
                              "this target: SpecForge directory or GGUF); train one with `flashdraft train`")
     if path.startswith("random"):
         layers = int(path.split(":", 1)[1]) if ":" in path else 1
-        if getattr(target, "model", None) is None:
+        if target.model is None:
             raise ValueError("-md random builds a drafter from the target's torch config: use --backend torch")
         model = random_dflash_model(target.model, num_layers=layers).to(target.device, cfg.drafter_dtype(target.device))
     else:
@@ -228,8 +270,6 @@ def load_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         drafter = DFlashDrafter(model, target.embed_tokens, target.lm_head, cross_ctx=cfg.cross_ctx, kv=draft_kv,
                                 p_min=cfg.p_min)
         if cfg.spec_type == "hybrid":  # prompt lookup where it pays, this DFlash drafter elsewhere
-            from flashdraft.drafters.hybrid import HybridDrafter
-
             # prompt lookup may copy past the DFlash block: up to --spec-draft-n-max tokens
             return HybridDrafter(drafter, lookup_drafter(cfg, cfg.lookup), ngram_depth=cfg.n_draft)
         return drafter
@@ -248,10 +288,6 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
     Raises:
         ValueError: no ``-md``, a bad ``self:N``, or a drafter made for another target.
     """
-    from flashdraft.drafters.ar import ARDrafter
-    from flashdraft.drafters.ar_model import ar_from_target, is_ar_drafter, load_ar_drafter
-    from flashdraft.drafters.draft_model import DraftModelDrafter
-
     path = cfg.draft_model
     if not path and cfg.model is None and (DEFAULT_AR_DRAFTER_DIR / "config.json").exists():
         path = str(DEFAULT_AR_DRAFTER_DIR)  # the packaged target's own AR drafter
@@ -275,7 +311,7 @@ def draft_model_drafter(cfg: EngineConfig, target: Target) -> Drafter:
         check_drafter_fits({**model.config, "num_target_layers": model.config["ar_drafter"].get("num_target_layers")},
                            target, path)
         return ARDrafter(model, embed, target.vocab_size)
-    if path == "target" and getattr(target, "model", None) is None:
+    if path == "target" and target.model is None:
         raise ValueError("-md target drafts with the target's torch model: use --backend torch, or -md self:N")
     model = target.model if path == "target" else load_hf_model(path, cfg.drafter_dtype(target.device), target.device)[0]
     return DraftModelDrafter(model, target.vocab_size)
@@ -285,18 +321,26 @@ def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
     """The model-free drafter ``kind`` (``ngram`` or ``suffix``) with ``cfg``'s settings; a
     suffix drafter gets a new store of past answers, which the server's slots share (:meth:`Drafter.fork`)."""
     if kind == "suffix":
-        from flashdraft.drafters.suffix import SuffixDrafter, SuffixStore
         return SuffixDrafter(SuffixStore(cfg.suffix_cache), cfg.suffix_factor, cfg.suffix_min_prob)
-    from flashdraft.drafters.ngram import NgramDrafter
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+
+
+#: ``--spec-type`` -> the loader of its drafter, ``(cfg, target) -> Drafter``: the one list of drafters
+DRAFTERS = {
+    "none": lambda cfg, target: NoDrafter(),
+    "dflash": dflash_drafter,
+    "draft": draft_model_drafter,
+    "ngram": lambda cfg, target: lookup_drafter(cfg, "ngram"),
+    "suffix": lambda cfg, target: lookup_drafter(cfg, "suffix"),
+    "hybrid": dflash_drafter,
+}
+SPEC_TYPES = tuple(DRAFTERS)
 
 
 def shipped_drafter_for(target) -> Path | None:
     """The packaged DFlash drafter made for ``target``'s shape (hidden size, vocabulary,
     layer count: what :func:`check_drafter_fits` checks), or None. So ``-m`` on a GGUF of a
     target we ship a drafter for (SmolLM2-135M-Instruct, Gemma 3 270M) needs no ``-md``."""
-    import json
-
     for config_path in sorted(DRAFTERS_DIR.glob("*-dflash/config.json")):
         config = json.loads(config_path.read_text())
         if (int(config["hidden_size"]), int(config["vocab_size"]), int(config.get("num_target_layers") or -1)) == \
@@ -334,8 +378,6 @@ def load_engine_target(cfg: EngineConfig):
         ValueError: ``--backend llama`` with settings it cannot run, or a bad model path.
         BindingUnavailableError: ``--backend llama`` without a working llama.cpp binding.
     """
-    from flashdraft.targets.load import choose_backend, load_target
-
     device = resolve_device(cfg.device)
     log_device(cfg.device, device)
     kv = cfg.kv_spec()
@@ -372,7 +414,7 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
         table = costs.load_or_measure(target, k_max=n_max + 1)
         log.info("%s", table.describe())
         verify_costs = table.verify_seconds(n_max)
-    return make_controller(kind, n_max, getattr(drafter, "SOURCES", ()), getattr(drafter, "source_max_draft", None),
+    return make_controller(kind, n_max, drafter.SOURCES, drafter.source_max_draft,
                            verify_costs)
 
 
@@ -384,8 +426,7 @@ def exact_step_threads(target) -> None:
     lossless means the same tokens in every mode (docs/performance.md §12, "Threads").
     Costs plain decoding at ``-t 2`` ≈ 27% here (11.1 vs 15.2 ms a step). Call it whenever
     generators with different drafters take turns on one target (the bench)."""
-    if hasattr(target, "set_step_threads"):
-        target.set_step_threads(1)
+    target.set_step_threads(1)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:
@@ -406,13 +447,13 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
                     cfg.spec_type)
     if target is None:
         target = load_engine_target(cfg)
-    if target_backend(target) == "llama":  # its context holds K/V of the types it was made with
+    if target.backend == "llama":  # its context holds K/V of the types it was made with
         kv = KVCacheSpec(*target.cache_types)
     drafter = load_drafter(cfg, target)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     exact_step_threads(target)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
-    if not isinstance(drafter, NoDrafter) and hasattr(target, "verify_drift"):
+    if not isinstance(drafter, NoDrafter):
         drift = target.verify_drift()
         if drift:
             log.warning("on this model llama.cpp's batched verify rows differ from one-token steps (logits up to "

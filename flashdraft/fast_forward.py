@@ -1,6 +1,6 @@
 """A lean forward of llama-family / qwen3 targets over a :class:`StaticKVCache`.
 
-The transformers forward (the reference path, kept in :mod:`flashdraft.target`) spends
+The transformers forward (the reference path, kept in :mod:`flashdraft.targets.torch`) spends
 most of a 1-token decode step on this CPU in Python and per-step setup: building the
 attention mask, DynamicCache updates (``torch.cat`` per layer), hooks, output objects.
 This module runs the same math directly on the transformers model's own weight tensors

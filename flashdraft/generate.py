@@ -26,7 +26,7 @@ from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 
 class ContextOverflowError(ValueError):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from flashdraft.flags import WEIGHTS_CHOICES, WEIGHTS_HELP
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES, make_codec
 
@@ -250,8 +251,7 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP
-
+    """Flags of ``flashdraft eval-kv``."""
     p.add_argument("-m", "--model", default=None, help="target model (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("-md", "--spec-draft-model", default=None,
                    help="DFlash drafter for the τ column (default: the shipped one for the default target)")
@@ -275,7 +275,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """``flashdraft eval-kv``: prints the Markdown table (and writes ``--json-out``)."""
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.threads import apply_threads, describe
 
     log.info("%s", describe(*apply_threads(args.threads)))

@@ -20,7 +20,7 @@ from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.train.evaluate import _run_one
 from flashdraft.train.stats import AcceptanceStats
 from flashdraft.train.walk import (DFlashProposals, DrafterProposals, heldout_answers_dir, load_answers,

@@ -41,7 +41,7 @@ def main() -> None:
     from flashdraft.prompts import SEED_PROMPTS
     from flashdraft.sampling import SamplingParams
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.shards import read_shards
 
     from flashdraft.engine import shipped_drafter_for

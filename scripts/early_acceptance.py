@@ -26,7 +26,7 @@ def main() -> int:
 
     from flashdraft.drafters.dflash import load_dflash_model
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.stats import AcceptanceStats
     from flashdraft.train.walk import DFlashProposals, load_answers, target_features, walk_answer
 

@@ -21,7 +21,7 @@ from flashdraft.engine import EngineConfig, load_engine
 from flashdraft.generate import generate_text
 from flashdraft.prompts import load_prompt_set
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 SPEC_TYPES = ("dflash", "ngram", "hybrid", "draft")
 

@@ -77,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     target = Target.load()
     hf = target.tokenizer

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.target import default_model_path
+from flashdraft.targets.torch import default_model_path
 from flashdraft.targets.binding import binding
 from flashdraft.targets.llama import LlamaTarget
 from flashdraft.targets.requantize import requantize

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from flashdraft.target import Target, default_model_path
+from flashdraft.targets.torch import Target, default_model_path
 from flashdraft.targets.llama import LlamaTarget
 
 

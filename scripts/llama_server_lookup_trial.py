@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from flashdraft.bench.llama_server import INSTALL_HINT, LlamaServerProcess, find_binary
 from flashdraft.prompts import load_prompt_set
-from flashdraft.target import default_model_path
+from flashdraft.targets.torch import default_model_path
 
 MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 

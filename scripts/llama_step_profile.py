@@ -17,7 +17,7 @@ import torch
 
 from flashdraft.engine import EngineConfig, load_drafter
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import default_model_path
+from flashdraft.targets.torch import default_model_path
 from flashdraft.targets.llama import LlamaTarget
 
 

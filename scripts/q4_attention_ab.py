@@ -5,7 +5,7 @@ bf16 / f16 compressed caches (float32 stable attention) and fp32 weights; ms per
 """
 import torch, time, statistics
 torch.set_num_threads(1)
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.prompts import SEED_PROMPTS
 t=Target.load(None, weights="q4")

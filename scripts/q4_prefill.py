@@ -4,7 +4,7 @@
 """
 import torch, time
 torch.set_num_threads(1)
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.prompts import SEED_PROMPTS
 t4=Target.load(None, weights="q4"); t32=Target.load(None, weights="fp32")
 ids=torch.tensor(t4.chat_prompt_ids([{"role":"user","content":SEED_PROMPTS[0]}]))

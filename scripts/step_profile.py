@@ -5,7 +5,7 @@
 import torch, time
 torch.set_num_threads(1)
 from torch.profiler import profile
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.prompts import SEED_PROMPTS
 for w in ("fp32","q4"):
     t=Target.load(None, weights=w)

@@ -5,7 +5,7 @@ block equals 16 one-token steps with the steps on 1 or on 2 threads (blocks on 2
 """
 import time, statistics, torch
 from flashdraft.targets.llama import LlamaTarget
-from flashdraft.target import default_model_path
+from flashdraft.targets.torch import default_model_path
 t = LlamaTarget(default_model_path(), n_ctx=2048, threads=2, warn=False, cache_type_k="f16", cache_type_v="f16")
 text = "Write a Python function that reverses a string and explain how slicing works. " * 80
 ids = t.encode(text)

@@ -41,7 +41,7 @@ def main() -> None:
 
     from flashdraft.prompts import SEED_PROMPTS
     from flashdraft.quant import read_q4
-    from flashdraft.target import Target, default_model_path, load_hf_model
+    from flashdraft.targets.torch import Target, default_model_path, load_hf_model
 
     verify = [int(v) for v in str(args.verify).split(",") if v.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]

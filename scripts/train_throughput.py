@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from flashdraft.drafters.dflash import load_dflash_model
 from flashdraft.engine import DEFAULT_DRAFTER_DIR
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.train.features import FeatureStore
 from flashdraft.device import bf16_pays
 from flashdraft.train.shards import read_shards

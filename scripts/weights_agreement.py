@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from flashdraft.fast_forward import QUANT_MAX_ROWS
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.shards import read_shards
 
     ref, q4 = Target.load(weights="fp32"), Target.load(weights="q4")

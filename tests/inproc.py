@@ -21,7 +21,7 @@ from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.server.app import create_app
 from flashdraft.server.state import ServerSettings
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 #: greedy continuation of this prompt has no EOS for a long while (see test_bench.py)
 PROMPT = "t5 t9 t17 t3 t22 t41 t5 t9 t17"

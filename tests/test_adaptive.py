@@ -310,7 +310,8 @@ def test_controller_off_is_the_fixed_depth_and_engine_wiring():
 def test_flags_and_metrics_gauge():
     import argparse
 
-    from flashdraft.cli import add_model_arguments, engine_config
+    from flashdraft.engine import EngineConfig
+    from flashdraft.flags import add_model_arguments
     from flashdraft.generate import Timings
     from flashdraft.server.cli import build_parser, engine_config_from_args
     from flashdraft.server.metrics import ServerMetrics
@@ -319,7 +320,7 @@ def test_flags_and_metrics_gauge():
     assert engine_config_from_args(build_parser().parse_args(["--spec-dm-controller", "off"])).controller == "off"
     p = argparse.ArgumentParser()
     add_model_arguments(p)
-    assert engine_config(p.parse_args(["--spec-dm-controller", "off"])).controller == "off"
+    assert EngineConfig.from_args(p.parse_args(["--spec-dm-controller", "off"])).controller == "off"
     m = ServerMetrics()
     m.observe_generation(Timings(predicted_n=9, n_steps=4, draft_depth_sum=7, draft_depth_last=3))
     text = m.render().decode()

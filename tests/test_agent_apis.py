@@ -18,7 +18,7 @@ from test_server import ServerProcess
 
 from flashdraft.constraints import Constraint, TokenizerInfo, compile_grammar
 from flashdraft.server.tools import tool_grammar
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 pytestmark = pytest.mark.real
 

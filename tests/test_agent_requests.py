@@ -19,7 +19,7 @@ from flashdraft.constraints import compile_grammar
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.server import ignored, parse_anthropic, parse_responses
 from flashdraft.server.render_responses import call_item
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 USER = {"role": "user", "content": "t1 t2"}
 

@@ -12,7 +12,7 @@ from flashdraft.drafters.ar import ARDrafter
 from flashdraft.engine import DEFAULT_AR_DRAFTER_DIR, EngineConfig, draft_model_drafter
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 pytestmark = pytest.mark.real
 

@@ -137,7 +137,7 @@ def test_hf_dflash_adapter_drafts_like_ours():
 
     from flashdraft.bench.hf_dflash import hf_dflash_assistant
     from flashdraft.drafters.dflash import DFlashDrafter, random_dflash_model
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     target = Target(tiny_model(), tiny_tokenizer())
     ours = random_dflash_model(target.model, num_layers=2, block_size=8)
@@ -211,7 +211,7 @@ def server(files):
     from flashdraft.generate import SpeculativeGenerator
     from flashdraft.server.app import create_app
     from flashdraft.server.state import ServerSettings
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     target = Target.load(files["target"])
     app = create_app(SpeculativeGenerator(target, NgramDrafter(), ctx_size=256, n_draft=4),

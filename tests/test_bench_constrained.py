@@ -21,7 +21,7 @@ from flashdraft.bench.schema_check import check_answer, unsupported_keywords
 from flashdraft.cli import main
 from flashdraft.constraints import Constraint, TokenizerInfo
 from flashdraft.prompts import load_prompt_set
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 OURS = ["none", "dflash", "dflash-adaptive", "ngram", "ngram-adaptive", "hybrid", "hybrid-adaptive"]
 

@@ -11,7 +11,7 @@ from flashdraft.server.chat_templates import BUILTIN, detect_builtin, resolve_te
 from flashdraft.server.errors import APIError
 from flashdraft.server.prompting import PromptBuilder
 from flashdraft.server.schemas import ChatMessage
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 pytestmark = pytest.mark.real
 

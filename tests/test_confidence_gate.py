@@ -78,7 +78,7 @@ def test_gated_greedy_output_equals_plain_under_the_controller(hybrid):
 def test_gated_greedy_output_equals_plain_on_the_real_model():
     from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
     from flashdraft.prompts import SEED_PROMPTS
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     target = Target.load()
     ids = target.chat_prompt_ids([{"role": "user", "content": SEED_PROMPTS[2]}])

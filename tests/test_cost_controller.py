@@ -91,7 +91,7 @@ def test_make_controller_cost_needs_the_table():
 
 
 def test_measure_and_cache_on_a_tiny_target(tmp_path, monkeypatch):
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     t = Target(tiny_model("llama", 0), byte_tokenizer(), name="tiny-llama")
@@ -108,7 +108,7 @@ def test_cost_controller_is_lossless_on_a_tiny_model(monkeypatch, tmp_path):
     from flashdraft.engine import EngineConfig, load_engine
     from flashdraft.generate import generate_text
     from flashdraft.sampling import SamplingParams
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     t = Target(tiny_model("llama", 0), byte_tokenizer(), name="tiny-llama")

@@ -107,7 +107,7 @@ def test_an_emulated_avx2_cpu_decodes_like_the_haswell_variant_here():
     gets from the same variant (QEMU emulates the instructions exactly)."""
     _need_binding()
     _need_qemu()
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     model = str(default_model_path())
     emulated = _choice(None, "Haswell", "--decode", model)
@@ -137,7 +137,7 @@ EXACT = ["Q4_1", "Q4_0", "Q4_K_M", "Q8_0"]
 def quantized(tmp_path_factory):
     """The packaged SmolLM2 GGUF (Q4_1) and its requantisations by llama.cpp's quantiser."""
     _need_binding()
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.requantize import requantize
 
     out = tmp_path_factory.mktemp("quant")

@@ -190,7 +190,7 @@ def training_step(pair, device):
     """One DFlash loss + backward with the target, features, labels and drafter on ``device``."""
     from flashdraft.device import autocast_device_type
     from flashdraft.drafters.dflash import load_dflash_model
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.objective import dflash_loss, sample_anchors
 
     target = Target.load(pair[0], device=device)

@@ -58,7 +58,7 @@ def test_greedy_output_is_the_targets_in_either_dtype(dtype):
 
 
 def test_serve_and_generate_take_the_flag():
-    from flashdraft.cli import build_parser as build_cli, engine_config
+    from flashdraft.cli import build_parser as build_cli
     from flashdraft.server.cli import build_parser, engine_config_from_args
 
     args = build_parser().parse_args(["--spec-draft-dtype", "bf16", "--spec-draft-p-min", "0.25"])
@@ -66,7 +66,7 @@ def test_serve_and_generate_take_the_flag():
     assert (cfg.draft_dtype, cfg.p_min) == ("bf16", 0.25)
     assert engine_config_from_args(build_parser().parse_args([])).draft_dtype == "auto"
     cli, _ = build_cli()
-    gen = engine_config(cli.parse_args(["generate", "-p", "x", "--spec-draft-dtype", "f32", "--spec-draft-p-min", "0.5"]))
+    gen = EngineConfig.from_args(cli.parse_args(["generate", "-p", "x", "--spec-draft-dtype", "f32", "--spec-draft-p-min", "0.5"]))
     assert (gen.draft_dtype, gen.p_min) == ("f32", 0.5)
     r = subprocess.run([sys.executable, "-m", "flashdraft.cli", "generate", "-p", "x", "--spec-draft-dtype", "fp8"],
                        capture_output=True, text=True)

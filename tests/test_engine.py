@@ -11,7 +11,7 @@ from flashdraft.drafters.draft_model import DraftModelDrafter
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from tiny import tiny_model, tiny_target
 
 GREEDY = SamplingParams()
@@ -170,7 +170,7 @@ def test_load_hf_directory_llama_and_qwen3(tmp_path):
 
 
 def test_missing_model_paths_give_clear_errors(tmp_path):
-    from flashdraft.target import ModelNotFoundError
+    from flashdraft.targets.torch import ModelNotFoundError
     with pytest.raises(ModelNotFoundError, match="not found"):
         Target.load(tmp_path / "nope.gguf")
     with pytest.raises(ModelNotFoundError, match="config.json"):
@@ -187,3 +187,22 @@ def test_feature_capture_equals_hidden_states():
     torch.testing.assert_close(feats, torch.cat([ref[1][0], ref[3][0]], -1), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         target.set_feature_layers([99])
+
+
+def test_spec_type_choices_come_from_the_drafter_registry():
+    """Every command's --spec-type offers the registry's drafters, and every registered name
+    loads a drafter (the model-free ones here) or refuses with the flag to fix."""
+    import argparse
+
+    from flashdraft.engine import DRAFTERS, SPEC_TYPES, EngineConfig, load_drafter
+    from flashdraft.flags import add_model_arguments
+    from flashdraft.targets.load import BACKENDS
+
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
+    assert tuple(p._option_string_actions["--spec-type"].choices) == SPEC_TYPES == tuple(DRAFTERS)
+    assert tuple(p._option_string_actions["--backend"].choices) == BACKENDS
+    for name in ("none", "ngram", "suffix"):
+        assert load_drafter(EngineConfig(spec_type=name), None).name == name
+    with pytest.raises(ValueError, match="unknown --spec-type"):
+        load_drafter(EngineConfig(spec_type="eagle"), None)

@@ -19,7 +19,7 @@ from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.fast_forward import LeanForward, can_pack, unsupported_reason
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from tiny import VOCAB, tiny_model, tiny_tokenizer
 
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32; observed differences are ~1e-6

@@ -24,7 +24,7 @@ def gemma_path():
 def target(gemma_path):
     # DFlash needs context features, which llama.cpp's gemma3 graph does not export: auto = torch
     t = load_engine_target(EngineConfig(model=gemma_path, spec_type="dflash"))
-    assert getattr(t, "backend", "torch") == "torch" and t.vocab_size == 262144
+    assert t.backend == "torch" and t.vocab_size == 262144
     return t
 
 

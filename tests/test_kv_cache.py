@@ -192,7 +192,7 @@ def test_rollback_is_a_length_move_and_memory_is_compressed():
 
 def test_compressed_types_need_the_lean_path():
     from tiny import tiny_model, tiny_tokenizer
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     t = Target(tiny_model("llama", hidden=128), tiny_tokenizer(), fast=False)
     with pytest.raises(ValueError, match="lean forward"):
         t.new_cache(kv=KVCacheSpec("q8_0", "q8_0"))

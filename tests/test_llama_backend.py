@@ -37,12 +37,32 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_gguf):
     """The same random model on both backends (the GGUF holds its F32 weights)."""
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.targets.llama import LlamaTarget
 
     llama = LlamaTarget(tiny_gguf, n_ctx=256, n_seq=4, tokenizer=byte_tokenizer())
     ref = Target(tiny_model("llama", 0), byte_tokenizer(), name="tiny-llama")
     return llama, ref
+
+
+def test_both_backends_meet_the_target_contract(tiny_pair):
+    """Every member of :class:`flashdraft.targets.base.Target` is there on both backends, and the
+    declared capabilities hold: the llama target has no torch model and sizes its context for
+    its sequences; the torch target's thread and sequence calls do nothing and report no drift."""
+    from flashdraft.targets.base import Target as Contract
+
+    members = {n for n in vars(Contract) if not n.startswith("_")} | set(Contract.__annotations__)
+    llama, ref = tiny_pair
+    for t in (llama, ref):
+        missing = [n for n in members if not hasattr(type(t), n) and n not in vars(t)]
+        assert not missing, (type(t).__name__, missing)
+    assert (llama.backend, ref.backend) == ("llama", "torch")
+    assert llama.model is None and llama.lean is None and ref.model is not None
+    before = ref.new_cache()
+    ref.set_step_threads(4)
+    ref.ensure_sequences(64)
+    assert ref.verify_drift() == 0.0 and before.length == 0
+    assert llama.n_seq_max == 2 * 4 + 1  # each slot's sequence and prompt cache, one spare
 
 
 def test_tiny_gguf_logits_and_features_match_torch(tiny_pair):
@@ -213,7 +233,7 @@ def test_backend_choice_rules():
 
 
 def test_backend_flag_on_every_command():
-    from flashdraft.cli import add_model_arguments
+    from flashdraft.flags import add_model_arguments
     from flashdraft.server.cli import build_parser
     import argparse
 
@@ -241,7 +261,7 @@ def test_engine_logs_the_backend_and_why(tiny_gguf, caplog):
 @pytest.fixture(scope="module")
 def real_llama():
     _need_binding()
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.llama import LlamaTarget
 
     return LlamaTarget(default_model_path(), n_ctx=1024, n_seq=4)
@@ -327,7 +347,7 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama, real_plain):
     from flashdraft.engine import EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.sampling import SamplingParams
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     t = real_llama
     prompts, base = real_plain

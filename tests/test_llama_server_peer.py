@@ -108,7 +108,7 @@ def test_the_shipped_drafter_gets_tokens_accepted_in_llama_server(tmp_path):
     from transformers import AutoTokenizer
 
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     gguf = default_model_path()
     path, block = ls.dflash_gguf(str(DEFAULT_DRAFTER_DIR), gguf, tmp_path)

@@ -1,14 +1,10 @@
-"""Prompt sets (flashdraft.prompts) and training-data regeneration (flashdraft.train.data).
+"""Prompt sets (flashdraft.prompts) and the training prompts and model location (flashdraft.train.data).
 
-Fast: the real data files are parsed (≈1 s), the regeneration tests use a tiny
-random-config llama with the real SmolLM2 tokenizer (≈7 s to load once).
+Fast: the real data files are parsed (≈1 s).
 """
 
-import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from flashdraft import prompts as P
 from flashdraft.train import data as D
@@ -125,113 +121,3 @@ def test_interleave_prefixes():
     with pytest.raises(ValueError):
         D.interleave(code, prose, 1.5)
 
-
-# ----------------------------------------------------------------- regeneration
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    d, f = D.default_model_location()
-    return AutoTokenizer.from_pretrained(d, gguf_file=f)
-
-
-def tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=64, initializer_range=0.5,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-TINY_PROMPTS = [
-    {"id": "a", "prompt": "Hi"},
-    {"id": "b", "prompt": "Write a haiku about autumn leaves falling on a quiet pond."},
-    {"id": "c", "prompt": "How do I write Go code that merges overlapping time intervals?"},
-    {"id": "d", "prompt": "Explain photosynthesis to a ten year old."},
-]
-
-
-def read_shards(out: Path) -> list[dict]:
-    recs = []
-    for shard in sorted(out.glob("shard-*.jsonl")):
-        recs += [json.loads(line) for line in shard.read_text().splitlines()]
-    return recs
-
-
-def test_regenerate_writes_shards_and_resumes(tmp_path, tokenizer):
-    model = tiny_llama()
-    kw = dict(max_new_tokens=8, batch_size=2, shard_size=3, model=model, tokenizer=tokenizer, progress=False)
-    m1 = D.regenerate(None, None, tmp_path, TINY_PROMPTS[:2], **kw)
-    assert m1["counts"]["done"] == 2
-    first = read_shards(tmp_path)
-    assert [r["id"] for r in first] == ["a", "b"]  # same length order here
-    # simulate a kill in the middle of writing a line
-    with open(tmp_path / "shard-00000.jsonl", "a") as f:
-        f.write('{"id": "c", "prompt": "How do')
-
-    m2 = D.regenerate(None, None, tmp_path, TINY_PROMPTS, **kw)
-    recs = read_shards(tmp_path)
-    assert sorted(r["id"] for r in recs) == ["a", "b", "c", "d"]  # no duplicates, broken line gone
-    assert recs[:2] == first  # earlier results untouched
-    assert (tmp_path / "shard-00001.jsonl").exists()  # a restart starts a new shard
-    assert m2["counts"] == {**m2["counts"], "prompts": 4, "done": 4}
-    assert m2["counts"]["response_tokens"] == sum(len(r["response_ids"]) for r in recs)
-
-    for r in recs:
-        prompt = next(p["prompt"] for p in TINY_PROMPTS if p["id"] == r["id"])
-        assert r["prompt"] == prompt
-        assert r["prompt_ids"] == D.encode_chat(tokenizer, prompt)  # no padding kept
-        assert 1 <= len(r["response_ids"]) <= 8
-        if r["finish"] == "length":
-            assert len(r["response_ids"]) == 8 and 2 not in r["response_ids"]
-        else:
-            assert r["finish"] == "eos" and r["response_ids"].index(2) == len(r["response_ids"]) - 1
-
-    # a third run has nothing to do and writes nothing
-    D.regenerate(None, None, tmp_path, TINY_PROMPTS, **kw)
-    assert len(read_shards(tmp_path)) == 4
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["state"] == "complete" and manifest["settings"]["max_new_tokens"] == 8
-    assert manifest["eos_token_ids"] == [2]
-
-    # other settings in the same directory are refused
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        D.regenerate(None, None, tmp_path, TINY_PROMPTS, **{**kw, "max_new_tokens": 9})
-    with pytest.raises(ValueError, match="unique"):
-        D.regenerate(None, None, tmp_path / "x", TINY_PROMPTS + TINY_PROMPTS[:1], **kw)
-
-
-def test_batched_left_padded_generation_matches_single(tokenizer):
-    model = tiny_llama(seed=1)
-    encs = [D.encode_chat(tokenizer, p["prompt"]) for p in TINY_PROMPTS]
-    batched = D._generate_batch(model, encs, 2, [2], 6)
-    single = [D._generate_batch(model, [e], 2, [2], 6)[0] for e in encs]
-    assert batched == single
-
-
-class _FakeGenerator:
-    """Stands in for a model: returns a fixed generate() output."""
-
-    def __init__(self, out):
-        self.out = out
-
-    def generate(self, input_ids, attention_mask, generation_config):
-        assert input_ids.shape == (2, 3)
-        assert attention_mask.tolist() == [[0, 1, 1], [1, 1, 1]]  # left padding
-        return self.out
-
-
-def test_generate_batch_strips_padding_and_after_eos():
-    prompt = [[7, 8], [5, 6, 7]]
-    out = torch.tensor([
-        [2, 7, 8, 10, 11, 2, 2],  # pad, prompt, 10 11 EOS, padding
-        [5, 6, 7, 12, 13, 14, 15],  # no EOS: runs to max_new_tokens
-    ])
-    res = D._generate_batch(_FakeGenerator(out), prompt, pad_id=2, eos_ids=[2], max_new_tokens=4)
-    assert res == [([10, 11, 2], "eos"), ([12, 13, 14, 15], "length")]

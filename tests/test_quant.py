@@ -76,7 +76,7 @@ def test_int8_linear_rows_independent_of_block_size():
 
 @pytest.fixture(scope="module")
 def q4_target():
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     return Target.load(weights="q4")
 
@@ -124,7 +124,7 @@ def test_real_model_q4_greedy_speculative_equals_q4_baseline(q4_target):
 
 
 def test_q4_needs_a_gguf_file(tmp_path):
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     with pytest.raises(ValueError, match="not a .gguf"):
         Target.load(tmp_path, weights="q4")
@@ -137,7 +137,7 @@ def tiny_q4_target():
     """A tiny llama whose projections are replaced by their Q4_1 round trip, with the codes."""
     from tiny import tiny_model, tiny_tokenizer
 
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     model = tiny_model(hidden=64, layers=3)
     q4 = {}

@@ -9,7 +9,7 @@ from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.prompts import SEED_PROMPTS
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 pytestmark = pytest.mark.real
 

@@ -300,3 +300,33 @@ def test_trainer_warns_when_it_would_mix_two_engines_features(tmp_path, target, 
         Trainer(cfg, target=target)
     warned = [r.getMessage() for r in caplog.records if "computed with the torch target" in r.getMessage()]
     assert len(warned) == 1 and "2 sequences" in warned[0] and "--build-features --backend llama" in warned[0]
+
+
+def test_regeneration_drops_a_half_written_line_and_starts_a_new_shard(tmp_path, target):
+    """A run killed while writing a line resumes: the broken line is gone, its prompt is
+    answered again in a new shard, earlier answers stay as they were."""
+    kw = dict(target=target, max_new_tokens=6, batch_size=2, shard_size=3, layer_ids=(), progress=False)
+    regenerate_packed(tmp_path, PROMPTS[:2], **kw)
+    first = sorted(tmp_path.glob("shard-*.jsonl"))[0]
+    before = first.read_text()
+    with open(first, "a") as f:
+        f.write('{"id": "%s", "prompt": "How do' % PROMPTS[2]["id"])
+    m = regenerate_packed(tmp_path, PROMPTS, **kw)
+    assert sorted(s[0] for s in read_shards(tmp_path)) == sorted(p["id"] for p in PROMPTS)  # no duplicates
+    assert first.read_text().startswith(before) and (tmp_path / "shard-00001.jsonl").exists()
+    assert m["counts"]["done"] == len(PROMPTS) and m["counts"]["eos"] + m["counts"]["length"] == len(PROMPTS)
+    assert m["counts"]["response_tokens"] == sum(len(ids) - n for _, ids, n in read_shards(tmp_path))
+
+
+def test_regeneration_with_nothing_left_writes_nothing(tmp_path, target):
+    kw = dict(target=target, max_new_tokens=6, batch_size=2, layer_ids=(), progress=False)
+    regenerate_packed(tmp_path, PROMPTS[:3], **kw)
+    shards = {p.name: p.read_text() for p in tmp_path.glob("shard-*.jsonl")}
+    m = regenerate_packed(tmp_path, PROMPTS[:3], **kw)
+    assert m["state"] == "complete" and m["eos_token_ids"] == sorted(target.eos_token_ids)
+    assert {p.name: p.read_text() for p in tmp_path.glob("shard-*.jsonl")} == shards
+
+
+def test_regeneration_refuses_duplicate_prompt_ids(tmp_path, target):
+    with pytest.raises(ValueError, match="unique"):
+        regenerate_packed(tmp_path, PROMPTS + PROMPTS[:1], target=target, max_new_tokens=4, progress=False)

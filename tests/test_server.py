@@ -261,7 +261,7 @@ def test_predicted_per_second_counts_the_decoded_tokens(server):
 
 
 def test_props_model_path_and_tokenize_byte_pieces(server):
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     assert httpx.get(server.url + "/props").json()["model_path"] == str(default_model_path())
     pieces = post(server, "/tokenize", {"content": "a 😀", "with_pieces": True}).json()["tokens"]

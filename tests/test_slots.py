@@ -20,7 +20,7 @@ from flashdraft.generate import Cancelled, GenerationRequest, SpeculativeGenerat
 from flashdraft.sampling import SamplingParams
 from test_server_scheduler import run as run_scheduler
 from tiny import tiny_model, tiny_target, tiny_tokenizer
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 GREEDY = SamplingParams()
 PROMPTS = [[5, 9, 17, 3, 22, 41], [7, 30, 2, 11, 7, 30, 2], [40, 41, 42], [12, 13, 12, 13, 12, 13, 12, 13, 9]]

@@ -13,7 +13,7 @@ from flashdraft.constraints import Constraint, TokenizerInfo, compile_grammar
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from test_server import ServerProcess, assert_error_shape, sse_events
 
 pytestmark = pytest.mark.real

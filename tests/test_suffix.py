@@ -192,7 +192,7 @@ def test_greedy_output_equals_plain_decoding_on_the_real_model():
     from flashdraft.engine import DEFAULT_DRAFTER_DIR, EngineConfig, load_drafter
     from flashdraft.generate import SpeculativeGenerator, generate_text
     from flashdraft.prompts import SEED_PROMPTS
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     target = Target.load()
     texts = [SEED_PROMPTS[2], "Write a Python function that reverses the words of a sentence."]

@@ -10,7 +10,7 @@ from flashdraft.bench.measure import counts_from_timings
 from flashdraft.engine import DEFAULT_DRAFTER_DIR, SPEC_TYPES, EngineConfig, load_drafter
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.train.evaluate import AcceptanceStats, _run_one
 
 pytestmark = pytest.mark.real

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 
 def test_every_command_parses_weights():
     from flashdraft.bench import runner
-    from flashdraft.cli import add_arguments as generate_arguments, engine_config
+    from flashdraft.generate_cli import add_arguments as generate_arguments
     from flashdraft.server.cli import build_parser, engine_config_from_args
     from flashdraft.train import evaluate
 
@@ -34,7 +34,7 @@ def test_every_command_parses_weights():
     for add, extra in ((generate_arguments, ["-p", "x"]), (evaluate.add_arguments, []), (runner.add_arguments, [])):
         p = argparse.ArgumentParser()
         add(p)
-        assert engine_config(p.parse_args(extra + ["--weights", "bf16"])).weights == "bf16"
+        assert EngineConfig.from_args(p.parse_args(extra + ["--weights", "bf16"])).weights == "bf16"
         with pytest.raises(SystemExit):  # argparse refuses an unknown dtype
             p.parse_args(extra + ["--weights", "int3"])
 

@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 VOCAB = 64
 

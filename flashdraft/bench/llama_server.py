@@ -268,7 +268,7 @@ def build_llama_server(name: str, target, model: str | None, threads: int, ctx_s
         model: ``-m`` (None = the packaged default GGUF).
         dflash_path: our DFlash drafter for ``llama-server-dflash`` (None = none for this target).
     """
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     binary = find_binary()
     if binary is None:

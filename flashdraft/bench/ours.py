@@ -18,7 +18,7 @@ from flashdraft.engine import (DEFAULT_AR_DRAFTER_DIR, EngineConfig, default_dfl
                                exact_step_threads)
 from flashdraft.generate import SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 OURS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
         "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix",

@@ -30,7 +30,7 @@ from flashdraft.bench.contender import DESCRIPTIONS, BenchPrompt, Contender, Una
 from flashdraft.bench.measure import Generation, SpecCounts
 from flashdraft.engine import EngineConfig, load_drafter
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target, default_model_path, load_hf_model
+from flashdraft.targets.torch import Target, default_model_path, load_hf_model
 
 HF_PEERS = ("hf", "hf-lookup", "hf-dflash", "hf-draft")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
@@ -147,7 +147,7 @@ def build_hf(name: str, target: Target, base: EngineConfig, draft_model: str | N
         draft_model: ``--draft-model`` path for ``hf-draft``.
         dflash_path: the DFlash drafter for ``hf-dflash`` (None = none available).
     """
-    if getattr(target, "model", None) is None:
+    if target.model is None:
         return Unavailable(name, "peer", "transformers runs the target's torch model: use --backend torch")
     if name == "hf":
         return HFContender(name, target, {}, speculative=False)

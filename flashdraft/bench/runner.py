@@ -28,6 +28,8 @@ import sys
 
 from flashdraft.bench.contender import ALL_CONFIGS, BenchPrompt, Contender, Unavailable
 from flashdraft.bench.stats import RunRecord, summarize
+from flashdraft.engine import CACHE_FIELDS, DRAFTER_FIELDS, EngineConfig
+from flashdraft.flags import add_model_arguments
 from flashdraft.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,6 @@ QUICK = {"configs": "none,default,dflash-cost", "repeats": 1, "max_tokens": 256,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``flashdraft bench``."""
-    from flashdraft.cli import add_model_arguments
-
     add_model_arguments(p)
     # bench runs every drafting method side by side; --spec-type would mean nothing here
     p._option_string_actions["--spec-type"].help = "not used by bench: --configs picks the drafting methods"
@@ -212,9 +212,7 @@ def build_local(names: list[str], args, target, explicit: bool) -> list[Contende
     from flashdraft.bench.ours import build_ours, dflash_drafter_path, is_ours
     from flashdraft.bench.peers import HF_PEERS, LLAMACPP_PEERS, build_hf, build_llamacpp
     from flashdraft.bench.zlab import ZLAB_PEERS, build_zlab
-    from flashdraft.cli import engine_config
-
-    base = engine_config(args)
+    base = EngineConfig.from_args(args)
     dflash_path = dflash_drafter_path(args.model, args.spec_draft_model, target)
     threads = torch.get_num_threads()  # set by run(): -t or the default, the same for every configuration
     out = []
@@ -269,7 +267,7 @@ def apply_quant(args) -> None:
     if not args.quant:
         return
     from flashdraft.engine import DEFAULT_DRAFTER_DIR
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.requantize import requantize
 
     src = args.model or str(default_model_path())
@@ -376,7 +374,7 @@ def run(args, target=None) -> int:
     """``flashdraft bench``: prints the report; writes ``--json-out`` / ``--plot`` if asked.
 
     Args:
-        target: an already loaded :class:`flashdraft.target.Target` to use instead of
+        target: an already loaded :class:`flashdraft.targets.torch.Target` to use instead of
             loading ``-m`` (tests, notebooks).
     Raises:
         ValueError: bad flags, unknown configurations or prompt sets, nothing to run.
@@ -403,10 +401,9 @@ def run(args, target=None) -> int:
 
         transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the progress bar
         if target is None:
-            from flashdraft.cli import engine_config
             from flashdraft.engine import load_engine_target
 
-            cfg = engine_config(args)
+            cfg = EngineConfig.from_args(args)
             if cfg.spec_type == "none" and any(n.startswith(("dflash", "hybrid")) for n in names):
                 cfg.spec_type = "dflash"  # its drafters read context features: a backend that gives them
             target = load_engine_target(cfg)
@@ -488,7 +485,6 @@ def skipped_on_constrained(contenders: list[Contender], prompts: list[BenchPromp
 
 
 def _settings(args, sets, temperatures, prompts) -> dict:
-    from flashdraft.cli import cache_fields, drafter_fields
     from flashdraft.device import resolve_device, resolve_draft_dtype
 
     return {
@@ -502,7 +498,7 @@ def _settings(args, sets, temperatures, prompts) -> dict:
         "threads": getattr(args, "threads_used", args.threads), "threads_flag": args.threads,
         "quant": getattr(args, "quant", None), "peer_threads": getattr(args, "peer_threads", None),
         "urls": list(args.url), "n_prompts": len(prompts),
-        "weights": args.weights, **cache_fields(args), **drafter_fields(args),
+        "weights": args.weights, **EngineConfig.from_args(args).report(CACHE_FIELDS + DRAFTER_FIELDS),
         "draft_dtype_used": None if args.url else
         str(resolve_draft_dtype(args.spec_draft_dtype, resolve_device(args.device))).removeprefix("torch."),
     }

@@ -181,11 +181,11 @@ def build_zlab(name: str, target, model: str | None, dflash_path: str | None, wo
         return Unavailable(name, "peer", "no DFlash drafter for this target: pass -md PATH")
     if not Path(dflash_path).exists():  # e.g. -md random:1
         return Unavailable(name, "peer", f"z-lab's loop loads a drafter checkpoint from disk; {dflash_path!r} is none")
-    from flashdraft.target import load_hf_model
+    from flashdraft.targets.torch import load_hf_model
 
     out, limits = export_zlab(dflash_path, work_dir / "zlab-drafter")
     drafter = load_zlab_drafter(out)
-    hf_model, shared = getattr(target, "model", None), target
+    hf_model, shared = target.model, target
     if hf_model is None:  # the llama backend: z-lab's loop needs a transformers target
         if model not in _OWN_TARGETS:  # one copy for zlab and zlab-dflash
             _OWN_TARGETS[model] = load_hf_model(model, torch.float32)[0].eval()

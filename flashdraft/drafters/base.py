@@ -50,6 +50,10 @@ class Drafter:
     feature_layer_ids: list[int] | None = None
     #: longest draft this drafter can propose in one step (None = unbounded)
     max_draft: int | None = None
+    #: sources with their own depth-controller estimates (a mixed-source drafter: the hybrid)
+    SOURCES: tuple[str, ...] = ()
+    #: per source of :attr:`SOURCES`, the longest draft it can propose (None: no sources)
+    source_max_draft: dict[str, int] | None = None
 
     def reset(self) -> None:
         """Forget the previous sequence (called before every request)."""

@@ -7,7 +7,7 @@ single-token steps per draft and keeps its own KV cache, rolled back after every
 from __future__ import annotations
 
 import torch
-from flashdraft.target import rollback_cache
+from flashdraft.targets.torch import rollback_cache
 
 from flashdraft.device import HOST
 from flashdraft.drafters.base import Draft, Drafter

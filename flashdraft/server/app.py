@@ -48,7 +48,6 @@ from flashdraft.server.render_anthropic import error_body as anthropic_error_bod
 from flashdraft.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        LlamaCompletionRequest, TokenizeRequest, parse_request)
 from flashdraft.server.state import ServerSettings, ServerState
-from flashdraft.targets import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "speculative": {"type": settings.spec_type, "drafter": g.drafter.name, "n_max": g.n_draft,
                             "drafting": g.drafting},
             "build_info": f"flashdraft {flashdraft.__version__}",
-            "backend": target_backend(g.target),  # the engine running the target
+            "backend": g.target.backend,  # the engine running the target
         })
 
     @app.get("/slots")
@@ -288,7 +287,7 @@ def _model_path(given: str | None) -> str:
     """``/props`` ``model_path``: the file served (the packaged GGUF when ``-m`` was not given)."""
     if given:
         return given
-    from flashdraft.target import default_model_path
+    from flashdraft.targets.torch import default_model_path
 
     try:
         return str(default_model_path())

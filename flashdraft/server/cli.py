@@ -19,7 +19,10 @@ import sys
 
 from flashdraft.adaptive import CONTROLLERS
 from flashdraft.argtypes import positive_int
-from flashdraft.cli import add_cache_arguments
+from flashdraft.device import add_device_argument
+from flashdraft.engine import SPEC_TYPES, EngineConfig
+from flashdraft.flags import (WEIGHTS_CHOICES, WEIGHTS_HELP, HelpFormatter, add_backend_argument, add_cache_arguments,
+                              add_drafter_arguments, add_suffix_arguments)
 from flashdraft.server import limits, llama_flags
 
 log = logging.getLogger("flashdraft.server")
@@ -29,10 +32,6 @@ REASONING = ("on", "off", "auto")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``flashdraft serve``'s flags (llama-server names) to ``parser``."""
-    from flashdraft.cli import WEIGHTS_CHOICES, WEIGHTS_HELP, add_drafter_arguments, add_suffix_arguments
-    from flashdraft.device import add_device_argument
-    from flashdraft.engine import SPEC_TYPES
-
     m = parser.add_argument_group("model and drafter")
     m.add_argument("-m", "--model", default=None,
                    help="target model: GGUF file, Hugging Face directory or hub id "
@@ -75,7 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pass enable_thinking=true/false to the chat template (default: auto = leave it)")
     m.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")
     add_device_argument(m)
-    from flashdraft.cli import add_backend_argument
     add_backend_argument(m)
 
     add_cache_arguments(parser.add_argument_group("KV cache"))
@@ -152,8 +150,6 @@ LLAMA_SPEC_TYPES = {"draft-simple": "draft", "draft-dflash": "dflash", "ngram-si
 
 def spec_type_arg(text: str) -> str:
     """``--spec-type``: ours or llama.cpp's names, one or a comma list. Raises ArgumentTypeError."""
-    from flashdraft.engine import SPEC_TYPES
-
     kinds = {LLAMA_SPEC_TYPES.get(t.strip(), t.strip()) for t in text.split(",") if t.strip()}
     if len(kinds) > 1:
         kinds.discard("none")
@@ -219,20 +215,10 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    """:class:`EngineConfig` from parsed flags."""
-    from flashdraft.cli import cache_fields, drafter_fields, suffix_fields
-    from flashdraft.engine import EngineConfig
-
-    from flashdraft.engine import resolve_spec_type
-
-    # -c is the whole context, split across the -np slots (llama-server: n_ctx per slot = c / np)
-    return EngineConfig(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
-                        draft_model=args.spec_draft_model,
-                        n_draft=args.spec_draft_n_max, ctx_size=max(1, args.ctx_size // args.parallel), cross_ctx=args.spec_dflash_cross_ctx,
-                        controller=args.spec_dm_controller, weights=args.weights, device=args.device,
-                        backend=args.backend, n_parallel=args.parallel, **cache_fields(args), **suffix_fields(args),
-                        **drafter_fields(args))
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """:class:`EngineConfig` from parsed flags: ``-c`` is the whole context, split across the
+    ``-np`` slots (llama-server: n_ctx per slot = c / np)."""
+    return EngineConfig.from_args(args, ctx_size=max(1, args.ctx_size // args.parallel), n_parallel=args.parallel)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -361,8 +347,6 @@ def _exit_cleanly_on_sigterm(server) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """A stand-alone parser with the ``serve`` flags (for ``python -m`` and tests)."""
-    from flashdraft.cli import HelpFormatter
-
     parser = argparse.ArgumentParser(prog="flashdraft serve", allow_abbrev=False, formatter_class=HelpFormatter,
                                      description="llama-server-compatible HTTP server with speculative decoding")
     add_arguments(parser)

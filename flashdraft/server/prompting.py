@@ -4,7 +4,7 @@ Runs on the event-loop thread while the worker decodes on its own thread, so it 
 own copy of the tokenizer: a Rust fast tokenizer may refuse concurrent use from two
 threads ("Already borrowed") when one call changes its padding/truncation state.
 Raw prompts (``/completion``, ``/v1/completions``, ``/tokenize``) follow the target's
-encoding (:meth:`flashdraft.target.Target.encode`: no special tokens added; special-token
+encoding (:meth:`flashdraft.targets.torch.Target.encode`: no special tokens added; special-token
 strings in the text are parsed as special tokens, llama-server's ``parse_special``), so the
 server and ``flashdraft generate`` give the same ids for the same text. Chat messages are
 different: only the template's markup may become special tokens, message content is always
@@ -19,7 +19,7 @@ import functools
 from flashdraft.server import chat_templates
 from flashdraft.server.errors import bad_request
 from flashdraft.server.schemas import ChatMessage
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 
 #: OpenAI's newer role names mapped to what chat templates know
 ROLE_ALIASES = {"developer": "system"}

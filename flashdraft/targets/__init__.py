@@ -1,8 +1,2 @@
-"""Engines that run the target besides torch (flashdraft/target.py): llama.cpp (`--backend llama`)."""
-
-
-def target_backend(target: object) -> str:
-    """The engine that runs ``target``: ``"llama"`` for :class:`~flashdraft.targets.llama.LlamaTarget`
-    (its class attribute), ``"torch"`` for :class:`flashdraft.target.Target` and anything else
-    without a ``backend`` attribute (test doubles)."""
-    return getattr(target, "backend", "torch")
+"""Engines that run the target behind one contract (:mod:`flashdraft.targets.base`): torch (the
+reference, :mod:`flashdraft.targets.torch`) and llama.cpp (``--backend llama``, :mod:`flashdraft.targets.llama`)."""

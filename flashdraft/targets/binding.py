@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print("llama backend: this build lacks llama_get_embeddings_layer_inp: DFlash drafting needs --backend torch",
               file=sys.stderr)
     if args.model is None:
-        from flashdraft.target import default_model_path
+        from flashdraft.targets.torch import default_model_path
 
         args.model = str(default_model_path())
     ok, detail = probe(args.model, use_cache=False)  # records the pass for --backend auto

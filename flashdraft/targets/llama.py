@@ -1,6 +1,6 @@
 """The target on llama.cpp's kernels (``--backend llama``): one ``llama_decode`` per step.
 
-Same seam as the torch :class:`~flashdraft.target.Target`: ``forward(token_ids, cache,
+The contract of :mod:`flashdraft.targets.base`, as the torch :class:`~flashdraft.targets.torch.Target`: ``forward(token_ids, cache,
 logits_from) -> (logits [T', V], features [T, F])`` and a cache that rolls back, so the
 speculative loop, the drafters, sampling, constraints and the server do not know which
 engine runs the target.
@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from flashdraft.target import ModelNotFoundError, TokenizerSide
+from flashdraft.targets.torch import ModelNotFoundError, TokenizerSide
 from flashdraft.targets.binding import binding
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ LAYER_INPUT_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "qwen3next", "gemma
 
 
 class LlamaTarget(TokenizerSide):
-    """A GGUF target run by llama.cpp. See the module docstring for the design.
+    """A GGUF target run by llama.cpp (:class:`flashdraft.targets.base.Target`). See the module
+    docstring for the design.
 
     Args:
         path: the ``.gguf`` file.
@@ -299,7 +300,7 @@ class LlamaTarget(TokenizerSide):
         self.config = SimpleNamespace(max_position_embeddings=int(api.llama_model_n_ctx_train(self._model)),
                                       eos_token_id=eos if eos >= 0 else None, model_type=self.architecture)
         ids = set()
-        for src_ids in (getattr(self.config, "eos_token_id", None), self.tokenizer.eos_token_id):
+        for src_ids in (self.config.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(src_ids, int):
                 ids.add(src_ids)
             elif isinstance(src_ids, (list, tuple)):

@@ -1,6 +1,6 @@
 """``--backend auto|torch|llama``: which engine runs the target, and why, in one log line.
 
-- ``torch``: :class:`flashdraft.target.Target` (the reference; GPUs; the trainer's forward;
+- ``torch``: :class:`flashdraft.targets.torch.Target` (the reference; GPUs; the trainer's forward;
   ``--weights``, compressed KV caches, ``-md target``).
 - ``llama``: :class:`flashdraft.targets.llama.LlamaTarget` on llama.cpp's kernels (GGUF
   files on the CPU).
@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
+
+from flashdraft.targets.binding import BindingUnavailableError, binding, probe
+from flashdraft.targets.llama import KV_TYPES, LAYER_INPUT_ARCHS, LlamaTarget
+from flashdraft.targets.torch import Target, default_model_path
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +41,6 @@ class BackendChoice:
 def gguf_architecture(path: str | Path) -> str | None:
     """``general.architecture`` of a GGUF file (its metadata only), None when unreadable."""
     try:
-        from gguf import GGUFReader
-
         field = GGUFReader(str(path)).fields.get("general.architecture")
         return None if field is None else str(field.contents())
     except (OSError, ValueError):
@@ -48,8 +51,6 @@ def torch_only_reason(model: str | None, weights: str | None, device: torch.devi
                       draft_model: str | None = None, features: bool = False) -> str | None:
     """Why the llama backend cannot run these settings, or None when it can (``features``:
     the drafter reads the target's context features, as DFlash and the hybrid do)."""
-    from flashdraft.targets.llama import KV_TYPES
-
     path = None if model is None else Path(model)
     if path is not None and path.suffix != ".gguf":
         return f"{model} is not a GGUF file"
@@ -65,8 +66,6 @@ def torch_only_reason(model: str | None, weights: str | None, device: torch.devi
     if draft_model is not None and draft_model.startswith("random"):
         return "-md random builds its drafter from the target's torch config"
     if features and path is not None:
-        from flashdraft.targets.llama import LAYER_INPUT_ARCHS
-
         arch = gguf_architecture(path)
         if arch is not None and arch not in LAYER_INPUT_ARCHS:
             return f"llama.cpp's {arch} graph does not export the layer inputs DFlash reads as context features"
@@ -89,19 +88,14 @@ def choose_backend(backend: str, model: str | None, weights: str | None, device:
     if backend == "llama":
         if reason is not None:
             raise ValueError(f"--backend llama cannot run this: {reason}; use --backend torch")
-        from flashdraft.targets.binding import binding
         binding()  # BindingUnavailableError with the fix
         return BackendChoice("llama", "asked for")
     if reason is not None:
         return BackendChoice("torch", reason)
-    from flashdraft.targets.binding import BindingUnavailableError, binding, probe
-
     try:
         b = binding()
     except BindingUnavailableError as e:
         return BackendChoice("torch", f"llama.cpp unavailable: {e}")
-    from flashdraft.target import default_model_path
-
     ok, detail = probe(str(default_model_path() if model is None else model))
     if not ok:
         return BackendChoice("torch", f"llama.cpp's probe decode failed on this CPU ({detail}); "
@@ -114,15 +108,10 @@ def load_target(model: str | None, choice: BackendChoice, weights: str | None = 
     """Load the target on the chosen backend (threads: torch's current setting, ``-t``).
 
     Returns:
-        a :class:`~flashdraft.target.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
+        a :class:`~flashdraft.targets.torch.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
     """
     if choice.backend == "llama":
-        from flashdraft.target import default_model_path
-        from flashdraft.targets.llama import LlamaTarget
-
         path = default_model_path() if model is None else model
         types = {} if kv is None else dict(cache_type_k=kv.type_k, cache_type_v=kv.type_v)
         return LlamaTarget.load(path, n_ctx=n_ctx, n_seq=n_seq, threads=torch.get_num_threads(), **types)
-    from flashdraft.target import Target
-
     return Target.load(model, weights=weights, device=device)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from flashdraft.device import autocast_device_type, resolve_device
 from flashdraft.drafters.ar import ARDrafter
 from flashdraft.drafters.ar_model import ARDraftModel, ar_from_target, load_ar_drafter, save_ar_drafter
-from flashdraft.target import Target
+from flashdraft.targets.torch import Target
 from flashdraft.train.loop import (TrainConfig, bf16_default, checkpoint_and_eval, draft_vocabulary, record_eval,
                                    write_log)
 from flashdraft.train.objective import cosine_lr
@@ -97,7 +97,7 @@ class ARTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.target = target or Target.load(cfg.target, device=resolve_device(cfg.device))
-        if getattr(self.target, "model", None) is None:
+        if self.target.model is None:
             raise ValueError("training an AR drafter needs the target's torch model: use the torch backend")
         self.device = self.target.device
         self.data_dirs = [Path(d) for d in str(cfg.data_dir).split(",") if d]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flashdraft.argtypes import positive_float
 from flashdraft.device import add_device_argument, device_from_args
+from flashdraft.flags import add_backend_argument
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and data order")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: None = torch's own choice)")
-    from flashdraft.cli import add_backend_argument
-
     add_backend_argument(p)  # the regeneration's target engine (auto: llama.cpp for a GGUF on the CPU)
     add_device_argument(p)
 
@@ -128,7 +127,7 @@ def heldout_answers(args) -> None:
 def run(args) -> int:
     import torch
 
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
     from flashdraft.train.loop import TrainConfig, Trainer
 
     if args.threads:
@@ -151,7 +150,6 @@ def run(args) -> int:
     if args.build_features:
         # on --backend's engine (auto: llama.cpp for a GGUF on the CPU), the one that serves
         from flashdraft.engine import EngineConfig, load_engine_target
-        from flashdraft.targets import target_backend
         from flashdraft.train.features import build_features
         from flashdraft.train.regen import default_stored_layers
 
@@ -159,7 +157,7 @@ def run(args) -> int:
                                                  device=str(device)))
         for d in str(data).split(","):
             n = build_features(d, target, default_stored_layers(target.num_layers))
-            print(f"{d}: features computed for {n} sequences ({target_backend(target)} backend)")
+            print(f"{d}: features computed for {n} sequences ({target.backend} backend)")
         return 0
     target = Target.load(args.target, device=device)
     hours = None if args.max_hours is None else max(0.01, args.max_hours - (time.time() - start) / 3600)

@@ -33,6 +33,7 @@ import json
 import logging
 import time
 
+from flashdraft.flags import add_model_arguments
 from flashdraft.generate import ContextOverflowError, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
 from flashdraft.train.stats import AcceptanceStats
@@ -137,8 +138,6 @@ def format_report(result: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``flashdraft eval`` (model flags shared with generate/bench, plus aliases)."""
-    from flashdraft.cli import add_model_arguments
-
     add_model_arguments(p)
     # aliases writing the same dest as -m / -md (argparse allows several options per dest)
     p.add_argument("--target", dest="model", default=argparse.SUPPRESS,
@@ -172,8 +171,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """``flashdraft eval``: load once, evaluate each temperature, print a table or JSON."""
-    from flashdraft.cli import cache_fields, engine_config
-    from flashdraft.engine import load_engine
+    from flashdraft.engine import CACHE_FIELDS, EngineConfig, load_engine
     from flashdraft.prompts import load_prompt_set
     from flashdraft.threads import apply_threads, describe
 
@@ -198,7 +196,7 @@ def run(args) -> int:
     prompts = load_prompt_set(args.dataset, args.limit)
     if args.spec_type is None and not args.model:  # eval measures a drafter: the shipped one by default
         args.spec_type = "dflash"
-    cfg = engine_config(args)
+    cfg = EngineConfig.from_args(args)
     if cfg.spec_type == "none":
         raise ValueError("flashdraft eval measures a drafter: pass -md PATH (a DFlash drafter for this target) "
                          "or --spec-type ngram/draft")
@@ -207,7 +205,7 @@ def run(args) -> int:
     drafter = args.spec_draft_model or ("(shipped default)" if cfg.spec_type == "dflash" and not args.model else None)
     header = {"target": generator.target.name, "spec_type": cfg.spec_type, "drafter": drafter,
               "dataset": args.dataset, "n_prompts": len(prompts), "max_tokens": args.max_tokens,
-              "weights": args.weights, **cache_fields(args)}
+              "weights": args.weights, **cfg.report(CACHE_FIELDS)}
     if not args.json:
         print(f"flashdraft eval: target {header['target']}, --spec-type {cfg.spec_type}"
               + (f" ({drafter})" if drafter else "") + f", {args.dataset} x {len(prompts)} prompts, "

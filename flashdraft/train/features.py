@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashdraft.targets import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +196,7 @@ def storable_layers(target, layer_ids) -> list[int]:
     none (the trainer and the walk then compute features themselves). Logs what it drops.
     """
     layer_ids = list(layer_ids)
-    if target_backend(target) != "llama":
+    if target.backend != "llama":
         return layer_ids
     from flashdraft.targets.llama import LAYER_INPUT_ARCHS
 
@@ -235,7 +234,7 @@ def build_features(data_dir: str | Path, target, layer_ids=DEFAULT_STORED_LAYERS
     layer_ids = storable_layers(target, layer_ids)
     if not layer_ids:
         return 0
-    backend = target_backend(target)
+    backend = target.backend
     target.set_feature_layers(list(layer_ids))
     writers: dict[int, FeatureWriter] = {}
     try:

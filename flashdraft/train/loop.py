@@ -31,8 +31,7 @@ from flashdraft.drafters.dflash import (DFlashDraftModel, DFlashDrafter, build_t
                                         drafter_config_for_target, init_from_target)
 from flashdraft.generate import SpeculativeGenerator, generate_text
 from flashdraft.sampling import SamplingParams
-from flashdraft.target import Target
-from flashdraft.targets import target_backend
+from flashdraft.targets.torch import Target
 from flashdraft.train.objective import cosine_lr, default_gamma, dflash_loss, sample_anchors
 from flashdraft.train.shards import read_shards
 
@@ -345,7 +344,7 @@ class Trainer:
         """Warn when a data directory's stored rows come from another engine than the trainer's
         own target and some of its sequences have no stored row: those are computed here with
         the trainer's target, so the run would train on two engines' numbers at once."""
-        own = target_backend(self.target)
+        own = self.target.backend
         for d, entry in enumerate(self.stores):
             if entry is None or entry[0].backend == own:
                 continue

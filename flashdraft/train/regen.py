@@ -1,7 +1,7 @@
 """Regenerate training answers with the target through the packed multi-sequence forward.
 
 The server's parallel slots pack the rows of several sequences into one target forward
-(:meth:`flashdraft.target.Target.forward_packed`): each weight is read once per step for
+(:meth:`flashdraft.targets.torch.Target.forward_packed`): each weight is read once per step for
 all of them. Regeneration is the same problem with many more sequences, so it uses the
 same forward with *continuous batching*: ``batch_size`` sequences decode together; when
 one ends (EOS or ``max_new_tokens``) the next prompt is prefilled in the same packed
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.flags import HelpFormatter, add_backend_argument
 from flashdraft.sampling import SamplingParams, choose_token
-from flashdraft.targets import target_backend
 from flashdraft.train.features import DEFAULT_STORED_LAYERS, FeatureWriter, storable_layers
 from flashdraft.train.data import CODE_SHARE, model_fingerprint, resolve_model_location, training_prompts
 from flashdraft.train.shards import SHARD_FORMAT, ShardWriter, scan_shards, write_json_atomic
@@ -60,7 +60,7 @@ def generate_packed(target, prompts: Sequence[tuple[str, list[int]]], max_new_to
     """Continuous-batched generation; yields answers as they end.
 
     Args:
-        target: a :class:`~flashdraft.target.Target` on the lean path.
+        target: a :class:`~flashdraft.targets.torch.Target` on the lean path.
         prompts: ``(id, prompt token ids)`` in the order to start them.
         max_new_tokens: most tokens per answer.
         params: greedy (temperature 0) or the sampling filters to sample with.
@@ -149,11 +149,10 @@ def generate_packed_llama(target, prompts: Sequence[tuple[str, list[int]]], max_
     ``< num_layers - 1``).
 
     Also the path of a torch target without the lean forward (Gemma):
-    :meth:`~flashdraft.target.Target.forward_packed` then runs one forward per sequence."""
+    :meth:`~flashdraft.targets.torch.Target.forward_packed` then runs one forward per sequence."""
     from flashdraft.train.features import top_logprobs
 
-    if hasattr(target, "ensure_sequences"):
-        target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
+    target.ensure_sequences(batch_size + 1)  # one llama.cpp sequence per row, none evicted
     target.set_feature_layers(list(layer_ids or []) or None)
     eos = target.eos_token_ids
     pending = iter(prompts)
@@ -196,7 +195,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     Args:
         prompts: ``[{"id", "prompt"}, ...]``; each prompt is one user message in the chat template
             (a base model without one gets the text, or the item's ``raw_prompt``:
-            :meth:`~flashdraft.target.TokenizerSide.user_prompt_ids`).
+            :meth:`~flashdraft.targets.torch.TokenizerSide.user_prompt_ids`).
         target: a loaded Target (tests); else loaded from ``model`` (None = packaged default).
         temperature / top_k / top_p: 0 = greedy; otherwise the sampling filters.
         weights: ``fp32`` or ``bf16`` (the answers of bf16 weights are bf16 greedy answers).
@@ -211,7 +210,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     """
     from tqdm import tqdm
 
-    from flashdraft.target import Target
+    from flashdraft.targets.torch import Target
 
     ids = [p["id"] for p in prompts]
     if len(set(ids)) != len(ids):
@@ -276,8 +275,8 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
     writer = ShardWriter(out, next_index, shard_size)
     if layer_ids is None:
         layer_ids = default_stored_layers(target.num_layers)
-    packed = generate_packed if getattr(target, "lean", None) is not None else generate_packed_llama
-    if target_backend(target) == "llama":
+    packed = generate_packed if target.lean is not None else generate_packed_llama
+    if target.backend == "llama":
         packed = generate_packed_llama
         layer_ids = storable_layers(target, layer_ids)
     feature_writers: dict[int, FeatureWriter] = {}
@@ -292,7 +291,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
                 shard = writer.next_index - 1  # the shard the record just went to
                 if shard not in feature_writers:
                     feature_writers[shard] = FeatureWriter(out, shard, layer_ids, target.hidden_size,
-                                                           backend=target_backend(target))
+                                                           backend=target.backend)
                 feature_writers[shard].write(pid, feats, top_ids, top_logp)
             counts["done"] += 1
             counts[finish] += 1
@@ -317,8 +316,7 @@ def regenerate_packed(out_dir: str | Path, prompts: Sequence[dict], target=None,
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    from flashdraft.cli import HelpFormatter
-
+    """The parser of ``python -m flashdraft.train.regen``."""
     ap = argparse.ArgumentParser(prog="python -m flashdraft.train.regen", formatter_class=HelpFormatter,
                                  description="Regenerate training answers with the target (packed, resumable).")
     ap.add_argument("--out", required=True, help="output directory for shards and manifest.json")
@@ -330,8 +328,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
     ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="target weights")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
-    from flashdraft.cli import add_backend_argument
-
     add_backend_argument(ap)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--limit", type=int, default=None, help="only the first N training prompts")

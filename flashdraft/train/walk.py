@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.generate import Timings
-from flashdraft.targets import target_backend
 from flashdraft.train.shards import read_shards
 from flashdraft.train.stats import AcceptanceStats
 
@@ -312,7 +311,7 @@ def load_answers(directory: str | Path, target, layer_ids, limit: int | None = N
         cols = store.columns(layer_ids) if layer_ids else None
     except (FileNotFoundError, ValueError):
         store, cols = None, None
-    if store is not None and store.backend != target_backend(target):
+    if store is not None and store.backend != target.backend:
         store = None  # rows of another engine differ slightly: walk on this backend's own
     out = []
     for sid, ids, n_prompt in seqs:
@@ -471,8 +470,8 @@ class AnswerTarget:
         if self._answers is None:
             self._answers = self.target
             model = self.args.model
-            if (getattr(self.target, "lean", None) is None and target_backend(self.target) == "torch"
-                    and model and str(model).endswith(".gguf") and getattr(self.args, "backend", "auto") == "auto"):
+            if (self.target.lean is None and self.target.backend == "torch"
+                    and model and str(model).endswith(".gguf") and self.args.backend == "auto"):
                 from flashdraft.engine import EngineConfig, load_engine_target
 
                 try:
@@ -493,19 +492,19 @@ def run_offline(args) -> int:
 
     # the walk's bookkeeping (answer tables, bigram counts) is host code, not yet audited for
     # another device: it runs on the CPU, and says so rather than ignoring --device
-    if getattr(args, "device", "auto") not in ("auto", "cpu"):
+    if args.device not in ("auto", "cpu"):
         raise ValueError(f"eval --offline runs on the CPU only (got --device {args.device}); "
                          "the online `flashdraft eval` runs on any device")
     log.info("eval --offline: walking on the CPU")
     from flashdraft.engine import EngineConfig, load_engine_target
 
-    drafter_path = getattr(args, "spec_draft_model", None)
+    drafter_path = args.spec_draft_model
     walks_ar = bool(drafter_path) and (str(drafter_path).startswith("self:") or is_ar_drafter(drafter_path))
     # a DFlash walk reads the target's features: the backend must be able to give them
     target = load_engine_target(EngineConfig(model=args.model, weights=args.weights,
                                              spec_type="draft" if walks_ar else "dflash",
                                              draft_model=str(drafter_path) if walks_ar else None,
-                                             backend=getattr(args, "backend", "auto"), device="cpu"))
+                                             backend=args.backend, device="cpu"))
     if not drafter_path:
         drafter_path = default_dflash_drafter(args.model or None, target)
     ar = None
@@ -518,13 +517,13 @@ def run_offline(args) -> int:
         model = None
     else:
         # the dtype serving would run it in (--spec-draft-dtype), so the walk sees the same drafts
-        dtype = EngineConfig(draft_dtype=getattr(args, "spec_draft_dtype", "auto")).drafter_dtype(target.device)
+        dtype = EngineConfig(draft_dtype=args.spec_draft_dtype).drafter_dtype(target.device)
         model = load_dflash_model(drafter_path, dtype) if drafter_path else None
     depth = model.block_size - 1 if model else (7 if ar else 15)
     n_draft = (args.block_size - 1) if args.block_size else depth
     data_dirs = args.bigram_data or default_training_dirs(target)
     bigram = BigramTable(reference_sequences(data_dirs), target.vocab_size) if data_dirs else None
-    ngram_depth = getattr(args, "spec_draft_n_max", None)  # the hybrid's n-gram depth online
+    ngram_depth = args.spec_draft_n_max  # the hybrid's n-gram depth online
     report = {"target": target.name, "drafter": str(drafter_path), "n_draft": n_draft, "ngram_depth": ngram_depth,
               "bigram_data": [str(d) for d in data_dirs], "results": {}}
     answer_target = AnswerTarget(target, args)

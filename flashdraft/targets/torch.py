@@ -176,7 +176,8 @@ class TokenizerSide:
 
 
 class Target(TokenizerSide):
-    """A decoder-only causal LM used as the target of speculative decoding.
+    """A decoder-only causal LM used as the target of speculative decoding, on torch
+    (:class:`flashdraft.targets.base.Target`).
 
     Returns the outputs of the decoder layers listed in ``feature_layer_ids`` (layer i's
     output is HF ``hidden_states[i+1]``) and no other layer's states: the lean path keeps
@@ -200,6 +201,8 @@ class Target(TokenizerSide):
         ValueError: ``q4`` on a model whose weights are not on the CPU (the int4 kernels are
             CPU-only), or on a model the lean path cannot run.
     """
+
+    backend = "torch"
 
     def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None,
                  q4: dict | None = None):
@@ -284,6 +287,16 @@ class Target(TokenizerSide):
     def fast(self) -> bool:
         """True when :meth:`new_cache` gives lean-path caches by default."""
         return self.lean is not None
+
+    def set_step_threads(self, n: int) -> None:
+        """Nothing to set: steps and verify blocks both run on torch's threads (``-t``)."""
+
+    def ensure_sequences(self, n: int) -> None:
+        """Nothing to do: every cache holds its own K/V."""
+
+    def verify_drift(self, k: int = 8) -> float:
+        """0.0, not measured (see :meth:`flashdraft.targets.base.Target.verify_drift`)."""
+        return 0.0
 
     # -- metadata -----------------------------------------------------------------
     def _eos_ids(self) -> set[int]:
