@@ -60,9 +60,7 @@ def make_slots(generator: SpeculativeGenerator, n: int) -> list[Slot]:
     """
     if n < 1:
         raise ValueError(f"need at least one slot, got {n}")
-    ensure = getattr(generator.target, "ensure_sequences", None)
-    if ensure is not None:  # the llama backend: a sequence and a prompt cache per slot
-        ensure(2 * n + 1)
+    generator.target.ensure_sequences(2 * n + 1)  # llama: a sequence and a prompt cache per slot
     return [Slot(i, generator.drafter.fork(), copy.deepcopy(generator.controller)) for i in range(n)]
 
 

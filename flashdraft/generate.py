@@ -347,7 +347,7 @@ class Sequence:
     A step is ``prepare()`` -> one target forward over its result -> ``finish(logits,
     features)``: the first step is the prefill, every later one drafts, verifies and
     accepts. Splitting the loop at the forward is what lets the server pack the forwards of
-    several sequences into one (:meth:`flashdraft.target.Target.forward_packed`) while each
+    several sequences into one (:meth:`flashdraft.targets.torch.Target.forward_packed`) while each
     keeps its own cache, drafter state, sampling generator, stops and timings.
 
     Args:
