@@ -149,7 +149,6 @@ def register(app: FastAPI, state: ServerState) -> None:
     """Add the generation routes and the prompt-only helpers to ``app``; its
     :class:`PromptThread` is ``app.state.prompt_thread``."""
     prompt_thread = app.state.prompt_thread = PromptThread()
-    off_loop = prompt_thread.run
 
     def route_for(api: API):
         async def route(request: Request) -> Response:
@@ -164,7 +163,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     async def chat_prompt(request: Request, parse: Callable[[bytes], GenRequest], check: bool = True) -> GenRequest:
         state.require_ready()
-        req = await off_loop(parse, await read_body(request, state.settings.limits.body_bytes))
+        req = await prompt_thread.run(parse, await read_body(request, state.settings.limits.body_bytes))
         return validate(req, state.settings.limits) if check else req
 
     @app.post("/apply-template")
@@ -172,14 +171,14 @@ def register(app: FastAPI, state: ServerState) -> None:
         """llama-server's ``/apply-template``: a chat request's ``messages`` rendered by the
         chat template, as text (nothing is decoded)."""
         req = await chat_prompt(request, parse_openai.chat, check=False)
-        return JSONResponse({"prompt": await off_loop(lambda: state.prompts.text(J.segments(req, state)))})
+        return JSONResponse({"prompt": await prompt_thread.run(lambda: state.prompts.text(J.segments(req, state)))})
 
     @app.post("/v1/chat/completions/input_tokens")
     @app.post("/chat/completions/input_tokens", include_in_schema=False)
     async def chat_input_tokens(request: Request) -> Response:
         """llama-server's token count of a chat request's prompt (``max_tokens`` not needed)."""
         req = await chat_prompt(request, parse_openai.chat)
-        ids = await off_loop(J.prompt_ids, req, state)
+        ids = await prompt_thread.run(J.prompt_ids, req, state)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     @app.post("/v1/messages/count_tokens")
@@ -187,6 +186,6 @@ def register(app: FastAPI, state: ServerState) -> None:
         """Anthropic's token count of a Messages request (``max_tokens`` not needed)."""
         try:
             req = await chat_prompt(request, parse_anthropic.count_tokens)
-            return JSONResponse({"input_tokens": len(await off_loop(J.prompt_ids, req, state))})
+            return JSONResponse({"input_tokens": len(await prompt_thread.run(J.prompt_ids, req, state))})
         except APIError as e:
             return anthropic_error(e)
