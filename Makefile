@@ -25,13 +25,15 @@ $(STAMP): pyproject.toml
 
 # llama.cpp's kernels for the target (--backend llama), built as llama.cpp's releases ship them:
 # ggml's CPU backend as loadable variants (x64 baseline, haswell, alderlake, skylakex, icelake,
-# zen4; no AMX) and the best one for this CPU picked at load time (scripts/build_llama.sh,
-# docs/performance.md "CPU backend variants"); then a short decode in a child process
+# zen4; no AMX) and the best one for this CPU picked at load time, with scripts/llama-patches/
+# applied (scripts/build_llama.sh, docs/performance.md "CPU backend variants"); then a short
+# decode in a child process
 LLAMA_CPP_PYTHON_VERSION := 0.3.36
 llama:
 	test -x $(BIN)/python || $(MAKE) setup
-	@$(BIN)/python -c "import llama_cpp, pathlib; assert list((pathlib.Path(llama_cpp.__file__).parent / 'lib').glob('libggml-cpu-*.so'))" 2>/dev/null \
-	  && echo "llama-cpp-python already installed with its CPU variants" \
+	@$(BIN)/python -c "import llama_cpp, pathlib; v = list((pathlib.Path(llama_cpp.__file__).parent / 'lib').glob('libggml-cpu*.so')); \
+	  assert v and all(b'GGML_CPU_FA_SPLIT_KV' in p.read_bytes() for p in v)" 2>/dev/null \
+	  && echo "llama-cpp-python already installed with its patched CPU variants" \
 	  || scripts/build_llama.sh $(BIN)/python $(LLAMA_CPP_PYTHON_VERSION)
 	$(BIN)/python -m flashdraft.targets.binding
 

@@ -419,14 +419,16 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
 
 
 def exact_step_threads(target) -> None:
-    """llama backend: one-token steps on one thread, with or without a drafter; batches
-    (verify blocks, prefill) on every ``-t`` thread. On more threads ggml splits a single
-    row's attention across them, and a verify row then differs from such a step (0.77 in the
-    logits here), so plain decoding on more threads would not give the tokens drafting gives:
-    lossless means the same tokens in every mode (docs/performance.md §12, "Threads").
-    Costs plain decoding at ``-t 2`` ≈ 27% here (11.1 vs 15.2 ms a step). Call it whenever
-    generators with different drafters take turns on one target (the bench)."""
-    target.set_step_threads(1)
+    """llama backend: one-token steps on ``target.exact_step_threads``, with or without a
+    drafter; batches (verify blocks, prefill) on every ``-t`` thread. Stock ggml splits a
+    single row's attention across threads, and a verify row then differs from such a step
+    (0.77 in the logits here), so plain decoding there would not give the tokens drafting
+    gives: lossless means the same tokens in every mode. That costs a stock build's plain
+    decoding at ``-t 2`` ≈ 30% (12.8 vs 8.7 ms a step); the ggml that ``make llama`` builds
+    keeps a row on one thread and steps on every thread stay exact (docs/performance.md,
+    "Threads"). Call it whenever generators with different drafters take turns on one target
+    (the bench)."""
+    target.set_step_threads(target.exact_step_threads)
 
 
 def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = True) -> SpeculativeGenerator:

@@ -9,6 +9,9 @@
 #      baseline x86-64 CPU backend (no SIMD beyond SSE2): the fallback every x86-64 CPU runs;
 #   2. the same sources' CPU variants (default: haswell alderlake skylakex icelake zen4) are
 #      built with CMake and copied beside it in llama_cpp/lib.
+# Before building, the patches in scripts/llama-patches/ are applied to the vendored llama.cpp
+# (fa-split-kv-env.patch: GGML_CPU_FA_SPLIT_KV=0 keeps one query row's flash attention on one
+# thread, so one-token steps on every thread equal verify rows; docs/performance.md, "Threads").
 # Not built: sapphirerapids (the only variant with AMX code, which crashed in
 # ggml_backend_amx_mul_mat, llama.cpp #20824); an AMX CPU gets zen4 (AVX512-BF16/VNNI/VBMI).
 # The older AVX-only levels (sse42, sandybridge, ivybridge, piledriver) fall back to x64, and
@@ -27,6 +30,11 @@ say "fetching llama-cpp-python $version's sources"
 "$py" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work"
 tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 src=$work/llama_cpp_python-$version
+patches=$(cd "$(dirname "$0")" && pwd)/llama-patches
+for p in "$patches"/*.patch; do
+  (cd "$src/vendor/llama.cpp" && git apply -p1 "$p") || { echo "error: $p does not apply to llama-cpp-python $version"; exit 1; }
+  say "applied $(basename "$p")"
+done
 
 common="-DGGML_BACKEND_DL=ON -DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"

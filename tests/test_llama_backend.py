@@ -264,7 +264,7 @@ def real_llama():
     from flashdraft.targets.torch import default_model_path
     from flashdraft.targets.llama import LlamaTarget
 
-    return LlamaTarget(default_model_path(), n_ctx=1024, n_seq=4)
+    return LlamaTarget(default_model_path(), n_ctx=1024, n_seq=4, threads=2)  # make serve runs -t 2
 
 
 REAL_PROMPTS = ["Write a Python class for a stack with push, pop and peek, and explain each method.",
@@ -317,6 +317,55 @@ def test_real_model_verify_rows_equal_one_token_steps(real_llama):
         t.forward(torch.tensor([x]), b)
     la = t.forward(torch.tensor([text[0]]), a)[0].clone()
     assert torch.equal(la, t.forward(torch.tensor([text[0]]), b)[0])
+
+
+#: a child process: one-token steps forced onto 2 threads at a cache of ~600 cells (stock ggml
+#: splits such a row's attention across threads from 512 cells on) against a 16-row verify
+_THREAD_DRIFT = """
+import json, torch
+from flashdraft.targets import binding
+from flashdraft.targets.llama import LlamaTarget
+from flashdraft.targets.torch import default_model_path
+t = LlamaTarget(default_model_path(), n_ctx=1024, threads=2, warn=False)
+ids = t.encode("Explain how a hash map resolves collisions, with an example in Python. " * 60)[:616]
+cache = t.new_cache()
+t.forward(torch.tensor(ids[:600]), cache, 599)
+start = cache.length
+t.set_step_threads(2)
+rows = t.forward(torch.tensor(ids[600:616]), cache)[0].clone()
+cache.rollback(start)
+steps = torch.cat([t.forward(torch.tensor([x]), cache)[0].clone() for x in ids[600:616]])
+print(json.dumps({"switch": binding.has_fa_split_kv_switch(t._b.cpu.path), "exact_step_threads": t.exact_step_threads,
+                  "drift": float((rows - steps).abs().max())}))
+"""
+
+
+def _thread_drift(split_kv: str) -> dict:
+    import json
+    import subprocess
+
+    env = {**binding_mod.child_env(), binding_mod.FA_SPLIT_KV_ENV: split_kv}
+    out = subprocess.run([sys.executable, "-c", _THREAD_DRIFT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.real
+def test_real_model_steps_on_every_thread_equal_verify_rows():
+    """The ggml `make llama` builds (scripts/llama-patches/fa-split-kv-env.patch) keeps one query
+    row's flash attention on one thread, so one-token steps on 2 threads equal a 16-row verify
+    block bit for bit at a 600-cell cache, and the backend runs steps on every ``-t`` thread.
+    With the switch at 1 (stock ggml's split over the KV cache) the same steps drift: the
+    switch is what keeps them equal."""
+    _need_binding()
+    exact = _thread_drift("0")
+    if not exact["switch"]:
+        if os.environ.get("FLASHDRAFT_REQUIRE_LLAMA") == "1":
+            pytest.fail("the installed llama.cpp lacks scripts/llama-patches/fa-split-kv-env.patch: run make llama")
+        pytest.skip("the installed llama.cpp is not the patched build of make llama")
+    assert exact["exact_step_threads"] == 2 and exact["drift"] == 0.0, exact
+    stock = _thread_drift("1")
+    assert stock["exact_step_threads"] == 1 and stock["drift"] > 0.0, stock
 
 
 def _decode_together(gen, prompts, n_tokens):

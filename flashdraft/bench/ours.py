@@ -59,7 +59,7 @@ class EngineContender(Contender):
         # generators share the target, whose feature hooks belong to the last one built
         g = self.generator
         g.target.set_feature_layers(g.drafter.feature_layer_ids)
-        exact_step_threads(g.target)  # one-token steps on one thread in every mode
+        exact_step_threads(g.target)  # one-token steps on the same threads in every mode
 
     def run(self, prompt: BenchPrompt, params: SamplingParams) -> Generation:
         g = self.generator

@@ -34,6 +34,9 @@ class Target(Protocol):
 
     #: the engine running it: ``"torch"`` or ``"llama"`` (one of :data:`flashdraft.targets.load.BACKENDS`)
     backend: ClassVar[str]
+    #: the most threads a one-token step may use and still round as a verify row does (llama:
+    #: ``-t`` with the patched ggml, else 1; torch: steps and blocks share torch's threads)
+    exact_step_threads: int
     name: str
     #: a transformers tokenizer (the same on every backend, so both see the same token ids)
     tokenizer: object
@@ -98,8 +101,8 @@ class Target(Protocol):
 
     # -- threads and sequences (declared capabilities) -----------------------------------------------
     def set_step_threads(self, n: int) -> None:
-        """Threads for one-token steps (llama: default 1, so a step rounds as a verify row does;
-        torch: steps and blocks share torch's threads, nothing to set)."""
+        """Threads for one-token steps (llama: default :attr:`exact_step_threads`, so a step
+        rounds as a verify row does; torch: steps and blocks share torch's threads, nothing to set)."""
 
     def ensure_sequences(self, n: int) -> None:
         """Make room for ``n`` live caches (llama: one context holds them all; torch: every

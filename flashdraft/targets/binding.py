@@ -22,6 +22,13 @@ Quirks kept here, so nothing else knows them:
   so greedy drafting could change the output. :data:`TILED_MM_ENV` is set to 0 before
   llama.cpp loads (a user's own setting wins; ``LlamaTarget.verify_drift`` reports the
   result); measured costs in docs/performance.md ("The llama backend").
+- ggml's flash attention spreads a single query row over the KV cache across threads (its
+  split-KV path, from a 512-cell cache on), so a one-token step on 2+ threads rounds otherwise
+  than a row of a verify block (0.77 apart). ``make llama`` applies one patch to the vendored
+  ggml (scripts/llama-patches/fa-split-kv-env.patch) that lets :data:`FA_SPLIT_KV_ENV` = 0
+  turn that path off; it is set before llama.cpp loads, and where the loaded CPU module has
+  the switch (:attr:`Binding.exact_threaded_steps`) one-token steps run on every ``-t``
+  thread, otherwise on one (``flashdraft.engine.exact_step_threads``).
 - A crash in native code kills the process, so :func:`probe` decodes a few tokens in a
   child process first; ``--backend auto`` uses the llama backend only when it passed.
 
@@ -52,7 +59,28 @@ INSTALL_HINT = "make llama (builds llama-cpp-python 0.3.36 from source with its 
 #: ggml reads this once, at the process's first matmul: 0 keeps every K-quant matmul on the
 #: one-row kernel, so a verify block's rows are bit-identical to decode steps
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
-_tiled_mm_set_here = False
+#: read by the patched ggml (scripts/llama-patches/fa-split-kv-env.patch): 0 keeps each
+#: flash-attention row on one thread, so one-token steps on any thread count equal verify rows
+FA_SPLIT_KV_ENV = "GGML_CPU_FA_SPLIT_KV"
+_set_here: set[str] = set()  # the variables above that flashdraft set (a user's own value wins)
+
+
+def _default_env(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = value
+        _set_here.add(name)
+
+
+def has_fa_split_kv_switch(module: Path | None) -> bool:
+    """True where the CPU backend ``module`` (a ``libggml-cpu*.so``) was built with the
+    :data:`FA_SPLIT_KV_ENV` switch (its name is in the binary); False for None or an
+    unreadable file. Reads the file once (a few MB)."""
+    if module is None:
+        return False
+    try:
+        return FA_SPLIT_KV_ENV.encode() in module.read_bytes()
+    except OSError:
+        return False
 
 
 def child_env() -> dict[str, str]:
@@ -60,8 +88,8 @@ def child_env() -> dict[str, str]:
     peer): without :data:`TILED_MM_ENV` where flashdraft set it, so the peer runs with its
     own defaults."""
     env = dict(os.environ)
-    if _tiled_mm_set_here:
-        env.pop(TILED_MM_ENV, None)
+    for name in _set_here:
+        env.pop(name, None)
     return env
 
 
@@ -89,12 +117,13 @@ class Binding:
             last decode; None where the build lacks them (no DFlash features then).
         version: ``"llama-cpp-python 0.3.36"``.
         cpu: the :class:`~flashdraft.targets.cpu_backend.CpuBackend` variant this process runs.
+        exact_threaded_steps: True where a one-token step on several threads rounds as a verify
+            row does (the CPU module has the :data:`FA_SPLIT_KV_ENV` switch and it is 0).
     """
 
     def __init__(self):
-        global _tiled_mm_set_here
-        if TILED_MM_ENV not in os.environ:
-            os.environ[TILED_MM_ENV], _tiled_mm_set_here = "0", True
+        _default_env(TILED_MM_ENV, "0")
+        _default_env(FA_SPLIT_KV_ENV, "0")
         try:
             import llama_cpp
             from llama_cpp import llama_cpp as api
@@ -113,6 +142,8 @@ class Binding:
             self.cpu = cpu_backend.load(Path(api.__file__).parent / "lib")
         except (cpu_backend.CpuBackendError, OSError, AttributeError) as e:
             raise BindingUnavailableError(f"{e}; {INSTALL_HINT}") from None
+        self.exact_threaded_steps = (os.environ.get(FA_SPLIT_KV_ENV) == "0"
+                                     and has_fa_split_kv_switch(self.cpu.path))
         api.llama_backend_init()
 
     def _ext(self, key: str):

@@ -154,7 +154,10 @@ class LlamaTarget(TokenizerSide):
         # unified cache another sequence's freed cells broke that: greedy drifted, tested)
         self.ubatch = ubatch
         self.threads = threads
-        self._step_threads = 1
+        # one-token steps on every thread where the loaded ggml can keep a row's attention on
+        # one thread (binding.FA_SPLIT_KV_ENV), else on one: see _make_context
+        self.exact_step_threads = threads if b.exact_threaded_steps else 1
+        self._step_threads = self.exact_step_threads
         self.n_ctx = n_ctx
         self.cache_types = (cache_type_k, cache_type_v)
         self._ctx = None
@@ -223,10 +226,12 @@ class LlamaTarget(TokenizerSide):
             # llama.cpp reserves one output row per sequence at creation and asserts that this
             # fits n_outputs_max (default n_batch): more sequences than ubatch rows aborted
             cp.n_outputs_max = max(self.ubatch, self.n_seq_max)
-        # one-token steps on one thread: with more, ggml splits a single row's attention over the
-        # KV cache across threads (0.77 apart at a 300-token context), which rounds otherwise than
-        # the row-wise attention of a verify block; batches (verify, prefill, -np packs) use every
-        # thread. Plain decoding too, so every mode gives the same tokens (engine.exact_step_threads)
+        # one-token steps on exact_step_threads: stock ggml splits a single row's attention over
+        # the KV cache across threads (0.77 apart at a 300-token context), which rounds otherwise
+        # than the row-wise attention of a verify block, so there steps run on one thread; the
+        # patched ggml `make llama` builds keeps the row on one thread, and steps use all of
+        # them. Batches (verify, prefill, -np packs) always use every thread. Plain decoding
+        # too, so every mode gives the same tokens (engine.exact_step_threads)
         cp.n_threads = self._step_threads
         cp.n_threads_batch = self.threads
         cp.type_k, cp.type_v = (KV_TYPES[t] for t in self.cache_types)
@@ -251,8 +256,9 @@ class LlamaTarget(TokenizerSide):
                 self._b.set_layer_inp(ctx, i + 1, True)
 
     def set_step_threads(self, n: int) -> None:
-        """Threads for one-token steps (default 1, see :meth:`_make_context`). More than one makes
-        steps faster and no longer equal to verify rows: for measurements only."""
+        """Threads for one-token steps (default :attr:`exact_step_threads`, see
+        :meth:`_make_context`). More than that makes steps faster on a stock ggml and no longer
+        equal to verify rows: for measurements only."""
         self._step_threads = max(1, n)
         self._b.api.llama_set_n_threads(self._ctx, self._step_threads, self.threads)
 

@@ -203,6 +203,7 @@ class Target(TokenizerSide):
     """
 
     backend = "torch"
+    exact_step_threads = 1  # unused: steps and blocks share torch's threads (set_step_threads)
 
     def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None,
                  q4: dict | None = None):
