@@ -96,15 +96,17 @@ def measure(target, k_max: int = 16, context: int = 256, reps: int = 5) -> CostT
 
 
 def cache_key(target, k_max: int, context: int) -> str:
-    """What a table depends on: the model file, CPU backend, library build, threads, repack,
-    KV types (llama backend) or weights and threads (torch)."""
+    """What a table depends on: the model file, CPU backend and its module's build, library
+    build, threads (batches and one-token steps), repack, KV types (llama backend) or weights
+    and threads (torch)."""
     if target.backend == "llama":  # its own threads, and the GGUF file it runs
         st = target.path.stat()
         b = target._b
         lib = Path(b.api.__file__).parent / "lib" / "libllama.so"
         parts = [target.backend, str(k_max), str(context), str(target.threads), str(target.path.resolve()),
                  str(st.st_size), str(st.st_mtime_ns), b.cpu.variant, str(lib.stat().st_mtime_ns), target.repack,
-                 "/".join(target.cache_types)]
+                 "/".join(target.cache_types), str(target.exact_step_threads),
+                 str(b.cpu.path.stat().st_mtime_ns) if b.cpu.path else "built-in"]
     else:
         parts = [target.backend, str(k_max), str(context), str(torch.get_num_threads()), target.name, target.weights]
     try:
