@@ -29,7 +29,7 @@ from flashdraft.generate import SpeculativeGenerator
 from flashdraft.kv_cache import ROLLBACK_MARGIN, KVCacheSpec
 from flashdraft.kv_codecs import CACHE_TYPES
 from flashdraft.targets.base import Target
-from flashdraft.targets.load import choose_backend, load_target
+from flashdraft.targets.load import choose_backend, load_target, training_context
 from flashdraft.targets.torch import load_hf_model
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class EngineConfig:
         serve's same flags); ``overrides`` set fields the command decides (serve's per-slot
         ``ctx_size`` and ``n_parallel``)."""
         given = args.cache_type_k is not None or args.cache_type_v is not None
+        if args.ctx_size == 0:  # -c 0: the context the model was trained for, as llama-server
+            args.ctx_size = training_context(args.model)
         fields = dict(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
                       draft_model=args.spec_draft_model, n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size,
                       cross_ctx=args.spec_dflash_cross_ctx, controller=args.spec_dm_controller,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from flashdraft.adaptive import CONTROLLERS
+from flashdraft.argtypes import non_negative_int
 from flashdraft.device import add_device_argument
 from flashdraft.engine import LOOKUPS, SPEC_TYPES
 from flashdraft.kv_codecs import CACHE_TYPES
@@ -48,7 +49,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter attends to at most N recent positions")
     add_drafter_arguments(p)
     add_suffix_arguments(p)
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
+    p.add_argument("-c", "--ctx-size", type=non_negative_int, default=4096,
+                   help="context size in tokens; 0 = the model's training context (default: 4096)")
     p.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     add_backend_argument(p)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for the target and drafter (default: 1 on machines with up to 2 cores, else cores - 1; printed at startup, docs/performance.md)")

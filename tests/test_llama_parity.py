@@ -180,6 +180,24 @@ def test_context_is_split_across_slots():
     assert engine_config_from_args(build_parser().parse_args(["-c", "4096"])).ctx_size == 4096
 
 
+def test_ctx_size_0_is_the_models_training_context(tmp_path):
+    """llama-server's ``-c 0``: the context the model was trained for, from the GGUF's
+    ``{arch}.context_length`` (the default SmolLM2 GGUF: 8192) or a transformers directory's
+    config.json; split across slots as any -c; a model that names none gets 4096."""
+    import json
+
+    from flashdraft.targets.load import FALLBACK_CONTEXT, training_context
+
+    assert engine_config_from_args(build_parser().parse_args(["-c", "0"])).ctx_size == 8192
+    assert engine_config_from_args(build_parser().parse_args(["-c", "0", "-np", "2"])).ctx_size == 4096
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    assert training_context(tmp_path) == 2048
+    (tmp_path / "config.json").write_text("{}")
+    assert training_context(tmp_path) == FALLBACK_CONTEXT
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["-c", "-1"])
+
+
 def test_chat_prefill_verbose_choices_apply_template_and_token_count():
     with serve(new_generator()) as url:
         def chat(messages, **kw):

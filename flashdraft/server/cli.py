@@ -18,7 +18,7 @@ import os
 import sys
 
 from flashdraft.adaptive import CONTROLLERS
-from flashdraft.argtypes import positive_int
+from flashdraft.argtypes import non_negative_int, positive_int
 from flashdraft.device import add_device_argument
 from flashdraft.engine import SPEC_TYPES, EngineConfig
 from flashdraft.flags import (WEIGHTS_CHOICES, WEIGHTS_HELP, HelpFormatter, add_backend_argument, add_cache_arguments,
@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the DFlash drafter attends to at most the N most recent target positions")
     add_drafter_arguments(m)
     add_suffix_arguments(m)
-    m.add_argument("-c", "--ctx-size", type=positive_int, default=4096,
-                   help="context size in tokens, prompt + output, split across the -np slots (default: 4096)")
+    m.add_argument("-c", "--ctx-size", type=non_negative_int, default=4096,
+                   help="context size in tokens, prompt + output, split across the -np slots; 0 = the model's "
+                        "training context, read from its GGUF or config.json (default: 4096)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None,
                    help="model names, comma-separated: /v1/models lists them (its id is the first in sorted "
@@ -217,7 +218,13 @@ def _csv(text: str) -> list[str]:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """:class:`EngineConfig` from parsed flags: ``-c`` is the whole context, split across the
-    ``-np`` slots (llama-server: n_ctx per slot = c / np)."""
+    ``-np`` slots (llama-server: n_ctx per slot = c / np); ``-c 0`` is first set to the
+    model's training context (:func:`flashdraft.targets.load.training_context`, logged)."""
+    if args.ctx_size == 0:
+        from flashdraft.targets.load import training_context
+
+        args.ctx_size = training_context(args.model)
+        log.info("-c 0: the model's training context, %d tokens", args.ctx_size)
     return EngineConfig.from_args(args, ctx_size=max(1, args.ctx_size // args.parallel), n_parallel=args.parallel)
 
 
@@ -262,12 +269,12 @@ def run(args: argparse.Namespace) -> int:
     ignored = ignored_flags(args)
     if ignored:
         log.info("ignoring flags that mean nothing on this engine: %s", ", ".join(ignored))
-    if args.parallel > 1:
-        log.info("-np %d: up to %d requests decode together, %d context tokens each (-c %d split across them)",
-                 args.parallel, args.parallel, args.ctx_size // args.parallel, args.ctx_size)
     log.info("%s", describe(*apply_threads(args.threads)))
 
     cfg = engine_config_from_args(args)
+    if args.parallel > 1:
+        log.info("-np %d: up to %d requests decode together, %d context tokens each (-c %d split across them)",
+                 args.parallel, args.parallel, args.ctx_size // args.parallel, args.ctx_size)
     try:  # bad flags are refused before the port is bound or the model loads
         cfg.validate()
     except ValueError as e:

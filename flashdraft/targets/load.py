@@ -47,6 +47,41 @@ def gguf_architecture(path: str | Path) -> str | None:
         return None
 
 
+#: the context ``-c 0`` gives a model whose files name none
+FALLBACK_CONTEXT = 4096
+
+
+def training_context(model: str | Path | None) -> int:
+    """The context length a model was trained for, what ``-c 0`` asks for (llama-server: "0 =
+    loaded from model"): a GGUF's ``{arch}.context_length``, a transformers directory's
+    ``max_position_embeddings`` (config.json), the packaged default model's when ``model`` is
+    None; :data:`FALLBACK_CONTEXT` with a warning where the files name none.
+
+    Reads metadata only (no weights); raises nothing."""
+    import json
+
+    path = Path(model) if model is not None else None
+    if path is None:
+        try:
+            path = default_model_path()
+        except Exception:  # noqa: BLE001 - the load that follows names what is missing
+            return FALLBACK_CONTEXT
+    n = None
+    try:
+        if path.suffix == ".gguf":
+            arch = gguf_architecture(path)
+            field = GGUFReader(str(path)).fields.get(f"{arch}.context_length") if arch else None
+            n = None if field is None else int(field.contents())
+        elif (path / "config.json").is_file():
+            n = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, TypeError):
+        n = None
+    if not isinstance(n, int) or n <= 0:
+        log.warning("-c 0: %s names no training context; using %d tokens", path, FALLBACK_CONTEXT)
+        return FALLBACK_CONTEXT
+    return n
+
+
 def torch_only_reason(model: str | None, weights: str | None, device: torch.device, kv=None,
                       draft_model: str | None = None, features: bool = False) -> str | None:
     """Why the llama backend cannot run these settings, or None when it can (``features``:
