@@ -53,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the DFlash drafter attends to at most the N most recent target positions")
     add_drafter_arguments(m)
     add_suffix_arguments(m)
-    m.add_argument("-c", "--ctx-size", type=non_negative_int, default=4096,
+    m.add_argument("-c", "--ctx-size", type=non_negative_int, default=0,
                    help="context size in tokens, prompt + output, split across the -np slots; 0 = the model's "
-                        "training context, read from its GGUF or config.json (default: 4096)")
+                        "training context, read from its GGUF or config.json, as llama-server (default: 0; "
+                        "SmolLM2: 8192)")
     m.add_argument("--weights", choices=WEIGHTS_CHOICES, default="fp32", help=WEIGHTS_HELP)
     m.add_argument("-a", "--alias", default=None,
                    help="model names, comma-separated: /v1/models lists them (its id is the first in sorted "
