@@ -9,6 +9,15 @@ Sets (names accepted by :func:`load_prompt_set`):
   kept out of training, for measuring acceptance length on unseen prompts.
 - ``json-schema``: 16 "return this record / extract these fields as JSON" requests, each
   with its own JSON schema (``schema`` key), for benchmarking constrained decoding.
+- ``edits``: 24 "here is a file, make this edit, return the whole file" requests, the work
+  of a coding agent where most of the answer copies the prompt: rename a function or a
+  variable, add docstrings, fix a named bug, convert a style (%-formatting to f-strings,
+  loops to comprehensions, add type hints). Each shows one real Python file in a fenced
+  block: four HumanEval problems with their canonical solutions joined into a module (MIT
+  licence) or a file of this repository (Apache-2.0). Written by ``scripts/make_edits_set.py``
+  into ``flashdraft/assets/edits_prompts.jsonl``; each item carries ``kind``, ``source``
+  (what the file is, and where from) and ``licence``. Prompt and a 512-token answer fit a
+  4096-token context with the SmolLM2 tokenizer (tested).
 - a path to a ``.jsonl`` file with one ``{"prompt": ...}`` object per line.
 
 Every set is a list of dicts with at least ``id`` and ``prompt`` (the text sent to the
@@ -47,7 +56,7 @@ SEED_PROMPTS: list[str] = [
 
 HUMANEVAL_CHAT_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
-PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random", "json-schema")
+PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random", "json-schema", "edits")
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELDOUT_IDS_PATH = Path(__file__).resolve().parent / "assets" / "sharegpt_heldout_ids.json"
@@ -55,6 +64,10 @@ JSON_SCHEMA_PROMPTS_PATH = Path(__file__).resolve().parent / "assets" / "json_sc
 #: how a ``json-schema`` task is sent: the schema is in the prompt too, as users write it
 #: (a grammar alone tells the model nothing about which keys come next)
 JSON_SCHEMA_TEMPLATE = "{task}\n\nAnswer with JSON only, matching this JSON schema:\n{schema}"
+EDITS_PROMPTS_PATH = Path(__file__).resolve().parent / "assets" / "edits_prompts.jsonl"
+#: how an ``edits`` request is written: the instruction, the file, the request for all of it back
+EDITS_TEMPLATE = ("{instruction}\n\nHere is `{file}`:\n\n```python\n{code}```\n\n"
+                  "Return the whole file with the change made, in one ```python block.")
 HELDOUT_SIZE = 200
 HELDOUT_CODE_SHARE = 0.25
 HELDOUT_SEED = 20240607
@@ -361,6 +374,30 @@ def load_json_schema_prompts() -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- edits
+
+
+def load_edits() -> list[dict]:
+    """The ``edits`` set: whole-file edit requests on real source files.
+
+    Returns ``[{"id": "edits/<name>", "prompt", "kind", "source", "licence", "file"}, ...]``
+    in file order (HumanEval modules and this repository's files alternate, so a ``limit``
+    keeps both). Raises ``FileNotFoundError`` if the asset is missing, ``ValueError`` for a
+    line without a string ``id``, ``prompt``, ``kind``, ``source`` or ``licence``.
+    """
+    out = []
+    with open(EDITS_PROMPTS_PATH, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if not all(isinstance(obj.get(k), str) for k in ("id", "prompt", "kind", "source", "licence")):
+                raise ValueError(f"{EDITS_PROMPTS_PATH}:{n + 1}: expected string id, prompt, kind, "
+                                 "source and licence")
+            out.append(obj)
+    return out
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -379,7 +416,7 @@ def _load_jsonl(path: Path) -> list[dict]:
 
 def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
     """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``, ``random``,
-    ``json-schema``) or path.
+    ``json-schema``, ``edits``) or path.
 
     A path must name an existing ``.jsonl`` file whose lines are ``{"prompt": str, ...}``
     (optional ``id``; an object ``schema`` makes the bench constrain that prompt's answer). Returns a list of dicts with ``id`` and ``prompt`` (plus set-specific
@@ -397,6 +434,8 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
         items = random_letters()
     elif name == "json-schema":
         items = load_json_schema_prompts()
+    elif name == "edits":
+        items = load_edits()
     elif name.endswith(".jsonl") and Path(name).is_file():
         items = _load_jsonl(Path(name))
     else:
