@@ -7,7 +7,7 @@ several in one run, on the same prompts, interleaved, beside ``none`` and the sh
 is an existing configuration built with other lookup settings, or with the ``longest``
 drafter below. Usage: the bench's own flags, e.g.
 
-    python docs/results/edits/tune_lookup.py --prompts edits,seed --limit 8 -n 256 -t 1 \\
+    python scripts/edits_tune_lookup.py --prompts edits,seed --limit 8 -n 256 -t 1 \\
         --configs none,default,ngram-cost/min2,... --json-out FILE
 
 Variants (name = base configuration / change):
@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's flashdraft
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashdraft
 
 import torch  # noqa: E402
 

@@ -9,12 +9,12 @@ verify cost of its steps (the cost table measured at load on the 2-core machine 
 docs/results/edits/: rows 1..17 of a checked block) and compares with one-token steps.
 The answers are re-tokenised from their text, so counts can differ by a token or two.
 
-    python docs/results/edits/lookup_walk.py docs/results/edits/bench-edits.json none
+    python scripts/edits_lookup_walk.py docs/results/edits/bench-edits.json none
 """
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's flashdraft
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashdraft
 
 import json  # noqa: E402
 
