@@ -11,13 +11,15 @@ What is changed before sending, to keep the file within its budget (≤ 120 s on
   sent none, as aider does) and ``max_output_tokens`` (Responses) are set to
   :data:`REPLAY_TOKENS`. The agents asked for 512-64000; the server caps those at what the
   context holds, which is not what this file tests.
-- prompts longer than :data:`FULL_PROMPT_TOKENS` (as the recording's own ``timings`` counted
+- prompts longer than :data:`FULL_PROMPT_TOKENS` (1500; as the recording's own ``timings`` counted
   them) are not prefilled: the 135M model prefills about 100-200 tokens/s here, so opencode's
   7.4k-token first prompt alone would take most of the budget. Such a body goes, verbatim but
   for the fields the counting route does not take, through the API's token-counting route
   (``/v1/messages/count_tokens``, ``/v1/chat/completions/input_tokens``): the same parsing,
   validation, tool preamble and chat template as a generation, without the prefill, and the
-  count must equal the recorded prompt's. Codex CLI's one Responses body (Responses has no
+  count must equal the recorded prompt's. (A later turn counts too: its history holds the
+  recorded answer, not the replay's 4 tokens, so the prompt cache would not cover it.) Codex
+  CLI's one Responses body (Responses has no
   counting route here) is replayed in full, as it is the only request of its API.
 
 The bodies are the agents' own, not hand-written: a server change that refuses a field one of
