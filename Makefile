@@ -65,3 +65,6 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Claude Code, Codex CLI, aider and opencode end to end against the server (docs/agents.md)
+agents-check: setup ; PY=$(BIN)/python scripts/agents_check.sh $(AGENTS)

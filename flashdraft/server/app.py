@@ -39,7 +39,7 @@ from pydantic.json_schema import models_json_schema
 
 import flashdraft
 from flashdraft.generate import SpeculativeGenerator
-from flashdraft.server import pipeline, request_log, webui
+from flashdraft.server import pipeline, request_dump, request_log, webui
 from flashdraft.server.errors import APIError, install_error_handlers
 from flashdraft.server.metrics import CONTENT_TYPE
 from flashdraft.server.parse_anthropic import MessagesRequest
@@ -108,8 +108,30 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
+class HeadAsGet:
+    """Pure ASGI middleware: ``HEAD`` is answered as ``GET`` without the body, as llama-server's
+    HTTP library answers it (FastAPI's routes list only ``GET``, so ``HEAD /`` was a 405;
+    Claude Code probes its base URL with ``HEAD /`` before the first request). A route with no
+    ``GET`` still answers ``HEAD`` with 405."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: ServerSettings | None = None,
-               on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_failed: Callable[[BaseException], None] | None = None,
+               dump_requests: str | None = None) -> FastAPI:
     """Build the server application.
 
     Args:
@@ -119,6 +141,8 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
         settings: server defaults and switches (defaults: :class:`ServerSettings`).
         on_load_failed: called (on the loader thread) if the loader raises; the CLI uses
             it to stop the process.
+        dump_requests: a directory to record every request in, one JSON file each
+            (``--dump-requests``; :mod:`flashdraft.server.request_dump`).
     Returns:
         The FastAPI app; its :class:`ServerState` is ``app.state.flashdraft``.
     """
@@ -148,8 +172,11 @@ def create_app(generator_or_loader: SpeculativeGenerator | Loader, settings: Ser
     cors = settings.cors
     app.add_middleware(PreflightCORS, allow_origins=cors.listed_origins(), allow_origin_regex=cors.origin_regex(),
                        allow_methods=cors.methods, allow_headers=cors.headers, allow_credentials=cors.credentials)
+    app.add_middleware(HeadAsGet)
     # outermost of all: the request log sees every answer, a 401 or a CORS preflight too
     app.add_middleware(request_log.RequestLogMiddleware)
+    if dump_requests:  # outside the log too: it records exactly what came in and went out
+        app.add_middleware(request_dump.RequestDumpMiddleware, directory=dump_requests)
     install_error_handlers(app)
     if settings.webui:
         webui.register(app)

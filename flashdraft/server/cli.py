@@ -136,6 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="text lines, or one JSON object per line (request and generation records carry "
                         "their figures as fields)")
+    h.add_argument("--dump-requests", default=None, metavar="DIR",
+                   help="record every HTTP request (method, path, headers, JSON body, status, time, the answer) "
+                        "as one JSON file in DIR, credentials scrubbed: to see what a client sends, or replay it "
+                        "(default: off)")
     h.add_argument("--ignore-eos", action="store_true", help="requests keep generating past EOS by default")
 
     limits.add_arguments(parser.add_argument_group("limits (over one: a 4xx naming the flag; 503 queue_full for the queue)"))
@@ -306,7 +310,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
         return 1
-    app = create_app(load, settings, on_load_failed=on_load_failed)
+    if args.dump_requests:
+        try:  # a directory that cannot be made stops the start, not the first request
+            os.makedirs(args.dump_requests, exist_ok=True)
+        except OSError as e:
+            log.error("--dump-requests %s: %s", args.dump_requests, e.strerror or e)
+            return 1
+        log.info("--dump-requests: recording every request in %s", args.dump_requests)
+    app = create_app(load, settings, on_load_failed=on_load_failed, dump_requests=args.dump_requests)
     # log_config=None: uvicorn's lines go through our handlers (--log-file, --log-format) too
     config = uvicorn.Config(app, log_level="warning" if args.log_disable else "info", access_log=False,
                             timeout_graceful_shutdown=5, log_config=None)

@@ -102,6 +102,7 @@ class ResponsesStream(StreamFormat):
         self.seq = 0
         self.text_open = False
         self.text = ""
+        self.opened = False
 
     def event(self, obj: dict, step: Step | None = None) -> bytes:
         obj["sequence_number"] = self.seq
@@ -111,9 +112,24 @@ class ResponsesStream(StreamFormat):
         return sse(obj, event=obj["type"])
 
     def start(self, first: Step | None = None) -> list[bytes]:
+        if self.opened:  # already sent while the prompt prefilled
+            return []
+        self.opened = True
         pending = self.r.response([], None, "in_progress")
         return [self.event({"type": "response.created", "response": pending}),
                 self.event({"type": "response.in_progress", "response": pending})]
+
+    def ping(self) -> bytes:
+        """The keep-alive while the prompt prefills is an event, not an SSE comment: Codex CLI's
+        idle timer (``stream_idle_timeout_ms``, 300 s) counts events and skips comments, so a
+        5k-token first prompt prefilling for more than 300 s made it drop the stream and send
+        the request again. The first ping is the stream's opening ``response.created`` and
+        ``response.in_progress`` (OpenAI sends them before any output too); every later one is
+        another ``response.in_progress`` with the next ``sequence_number``, which the SDKs and
+        Codex CLI read as nothing new."""
+        if not self.opened:
+            return b"".join(self.start())
+        return self.event({"type": "response.in_progress", "response": self.r.response([], None, "in_progress")})
 
     def _text(self, text: str, step: Step | None = None) -> list[bytes]:
         out, where = [], {"item_id": self.r.msg_id, "output_index": 0, "content_index": 0}
