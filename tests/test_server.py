@@ -552,7 +552,7 @@ def test_serve_flags_work_on_a_subparser_and_unknown_flags_exit_2(capsys):
     add_arguments(parser.add_subparsers(dest="command").add_parser("serve"))
     args = parser.parse_args(["serve", "-md", "d", "--spec-type", "ngram", "-c", "128", "-fa", "--api-key", "k"])
     assert (args.spec_draft_model, args.spec_type, args.ctx_size, args.api_key) == ("d", "ngram", 128, "k")
-    for bad in (["serve", "--no-such-flag"], ["serve", "--spec-type", "medusa"], ["serve", "-c", "0"]):
+    for bad in (["serve", "--no-such-flag"], ["serve", "--spec-type", "medusa"], ["serve", "-c", "-1"]):
         with pytest.raises(SystemExit) as e:
             parser.parse_args(bad)
         assert e.value.code == 2
