@@ -351,6 +351,15 @@ def random_letters(n: int = 4, length: int = 400, seed: int = 0) -> list[dict]:
 # ---------------------------------------------------------------- JSON schema
 
 
+def _jsonl_objects(path: Path):
+    """``(line number from 1, parsed object)`` for each non-blank line of ``path``.
+    Raises ``FileNotFoundError`` / ``json.JSONDecodeError`` (a ``ValueError``)."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                yield n, json.loads(line)
+
+
 def load_json_schema_prompts() -> list[dict]:
     """The ``json-schema`` set: records to return as JSON, each under its own schema.
 
@@ -361,16 +370,11 @@ def load_json_schema_prompts() -> list[dict]:
     Raises ``FileNotFoundError`` if the asset is missing, ``ValueError`` for a malformed line.
     """
     out = []
-    with open(JSON_SCHEMA_PROMPTS_PATH, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if not isinstance(obj.get("task"), str) or not isinstance(obj.get("schema"), dict):
-                raise ValueError(f"{JSON_SCHEMA_PROMPTS_PATH}:{n + 1}: "
-                                 "expected a string 'task' and an object 'schema'")
-            prompt = JSON_SCHEMA_TEMPLATE.format(task=obj["task"], schema=json.dumps(obj["schema"]))
-            out.append({"id": obj["id"], "prompt": prompt, "task": obj["task"], "schema": obj["schema"]})
+    for n, obj in _jsonl_objects(JSON_SCHEMA_PROMPTS_PATH):
+        if not isinstance(obj.get("task"), str) or not isinstance(obj.get("schema"), dict):
+            raise ValueError(f"{JSON_SCHEMA_PROMPTS_PATH}:{n}: expected a string 'task' and an object 'schema'")
+        prompt = JSON_SCHEMA_TEMPLATE.format(task=obj["task"], schema=json.dumps(obj["schema"]))
+        out.append({"id": obj["id"], "prompt": prompt, "task": obj["task"], "schema": obj["schema"]})
     return out
 
 
@@ -386,15 +390,10 @@ def load_edits() -> list[dict]:
     line without a string ``id``, ``prompt``, ``kind``, ``source`` or ``licence``.
     """
     out = []
-    with open(EDITS_PROMPTS_PATH, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if not all(isinstance(obj.get(k), str) for k in ("id", "prompt", "kind", "source", "licence")):
-                raise ValueError(f"{EDITS_PROMPTS_PATH}:{n + 1}: expected string id, prompt, kind, "
-                                 "source and licence")
-            out.append(obj)
+    for n, obj in _jsonl_objects(EDITS_PROMPTS_PATH):
+        if not all(isinstance(obj.get(k), str) for k in ("id", "prompt", "kind", "source", "licence")):
+            raise ValueError(f"{EDITS_PROMPTS_PATH}:{n}: expected string id, prompt, kind, source and licence")
+        out.append(obj)
     return out
 
 
@@ -403,14 +402,10 @@ def load_edits() -> list[dict]:
 
 def _load_jsonl(path: Path) -> list[dict]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path}:{n + 1}: expected an object with a string 'prompt'")
-            out.append({**obj, "id": str(obj.get("id", f"{path.stem}/{n}")), "prompt": obj["prompt"]})
+    for n, obj in _jsonl_objects(path):
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
+        out.append({**obj, "id": str(obj.get("id", f"{path.stem}/{n - 1}")), "prompt": obj["prompt"]})
     return out
 
 
