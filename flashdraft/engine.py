@@ -123,8 +123,7 @@ class EngineConfig:
         serve's same flags); ``overrides`` set fields the command decides (serve's per-slot
         ``ctx_size`` and ``n_parallel``)."""
         given = args.cache_type_k is not None or args.cache_type_v is not None
-        if args.ctx_size == 0:  # -c 0: the context the model was trained for, as llama-server
-            args.ctx_size = training_context(args.model)
+        resolve_ctx_size(args)
         fields = dict(model=args.model, spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
                       draft_model=args.spec_draft_model, n_draft=args.spec_draft_n_max, ctx_size=args.ctx_size,
                       cross_ctx=args.spec_dflash_cross_ctx, controller=args.spec_dm_controller,
@@ -418,6 +417,15 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
         verify_costs = table.verify_seconds(n_max)
     return make_controller(kind, n_max, drafter.SOURCES, drafter.source_max_draft,
                            verify_costs)
+
+
+def resolve_ctx_size(args) -> None:
+    """``-c 0`` (llama-server's "loaded from model"): set ``args.ctx_size`` to the model's
+    training context (:func:`flashdraft.targets.load.training_context`), logged once; any
+    other value is left as given."""
+    if args.ctx_size == 0:
+        args.ctx_size = training_context(args.model)
+        log.info("-c 0: the model's training context, %d tokens", args.ctx_size)
 
 
 def exact_step_threads(target) -> None:

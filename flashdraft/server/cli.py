@@ -20,7 +20,7 @@ import sys
 from flashdraft.adaptive import CONTROLLERS
 from flashdraft.argtypes import non_negative_int, positive_int
 from flashdraft.device import add_device_argument
-from flashdraft.engine import SPEC_TYPES, EngineConfig
+from flashdraft.engine import SPEC_TYPES, EngineConfig, resolve_ctx_size
 from flashdraft.flags import (WEIGHTS_CHOICES, WEIGHTS_HELP, HelpFormatter, add_backend_argument, add_cache_arguments,
                               add_drafter_arguments, add_suffix_arguments)
 from flashdraft.server import limits, llama_flags
@@ -225,11 +225,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """:class:`EngineConfig` from parsed flags: ``-c`` is the whole context, split across the
     ``-np`` slots (llama-server: n_ctx per slot = c / np); ``-c 0`` is first set to the
     model's training context (:func:`flashdraft.targets.load.training_context`, logged)."""
-    if args.ctx_size == 0:
-        from flashdraft.targets.load import training_context
-
-        args.ctx_size = training_context(args.model)
-        log.info("-c 0: the model's training context, %d tokens", args.ctx_size)
+    resolve_ctx_size(args)
     return EngineConfig.from_args(args, ctx_size=max(1, args.ctx_size // args.parallel), n_parallel=args.parallel)
 
 
