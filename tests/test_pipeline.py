@@ -7,7 +7,7 @@ import threading
 
 import httpx
 import pytest
-from inproc import new_generator, serve
+from inproc import PROMPT, new_generator, serve
 
 STEPS = {"flashdraft.server." + m: m for m in ("parse_openai", "parse_anthropic", "parse_responses", "validate",
                                                 "jobs", "run", "render_openai", "render_llama", "render_anthropic",
@@ -63,8 +63,11 @@ def test_a_missing_api_key_is_401_in_each_apis_error_shape():
     with serve(new_generator(ctx_size=128), api_key="k") as url:
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=60)
         claude = httpx.post(url + "/v1/messages", json={"messages": USER}, timeout=60)
-        ok = httpx.post(url + "/v1/messages", json={"messages": USER, "max_tokens": 2}, headers={"x-api-key": "k"},
-                        timeout=60)
+        # greedy on PROMPT: the server's default temperature samples, and a sampled EOS
+        # after one token would end the answer early
+        ok = httpx.post(url + "/v1/messages", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                    "max_tokens": 2, "temperature": 0},
+                        headers={"x-api-key": "k"}, timeout=60)
     assert chat.status_code == claude.status_code == 401
     assert chat.json()["error"]["type"] == "authentication_error"
     assert claude.json()["type"] == "error" and claude.json()["error"]["type"] == "authentication_error"
