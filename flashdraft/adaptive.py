@@ -218,6 +218,11 @@ class ProfitController:
             return None
         return [e / c for e, c in zip(self.expected_tokens_curve(), costs)]
 
+    @property
+    def probing(self) -> bool:
+        """True between a :meth:`choose` that returned a probe depth and its :meth:`update`."""
+        return self._probing
+
     # ---- the calls of the loop ---------------------------------------------------------
 
     def start_request(self) -> None:

@@ -135,3 +135,34 @@ def test_make_serve_runs_the_bench_default():
     flags = line.split(":=")[1].split()
     assert flags[flags.index("--spec-type") + 1] == adaptive_base(SERVE_DEFAULT) == adaptive_base("default")
     assert flags[flags.index("--spec-dm-controller") + 1] == controller_of(SERVE_DEFAULT) == controller_of("default")
+
+
+def test_a_free_lookup_draft_is_asked_for_even_with_drafting_off():
+    """Prompt lookup under the cost controller: with the standing depth at 0 (drafting off)
+    the loop still asks for the longest draft, and the table with the draft's confidence
+    cuts it (a copy that starts after a failed probe is not missed); a drafter whose drafts
+    cost a forward waits for the controller."""
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.generate import GenerationRequest, Sequence, SpeculativeGenerator
+    from flashdraft.targets.torch import Target
+
+    t = Target(tiny_model("llama", 0), byte_tokenizer(), name="tiny-llama")
+    for free in (True, False):
+        drafter = NgramDrafter()
+        drafter.free_drafts = free
+        ctl = _ctl(CPU_MS)
+        for _ in range(ctl.WARMUP_STEPS + 4):  # never accepted: the controller turns drafting off
+            d = ctl.choose()
+            ctl.update(d, 0, 1e-3 * CPU_MS[d])
+        assert ctl.depth == 0
+        gen = SpeculativeGenerator(t, drafter, ctx_size=128, n_draft=7, controller=ctl)
+        seq = Sequence(gen, GenerationRequest(t.encode("abcdefgh abcdefgh abcdef"), 8))
+        assert seq._choose_depth() == (4, 0)  # a new request while off: its first step probes
+        ctl.update(4, 0, 1e-3 * CPU_MS[4])
+        assert seq._choose_depth() == ((7, 0) if free else (0, 0))
+    # the cut keeps a long, confident copy and drops a one-token match on this table
+    ctl = _ctl(CPU_MS)
+    d = NgramDrafter()
+    assert ctl.cut([d.FIRST_CONFIDENCE[0]] + [d.LATER_CONFIDENCE[0]] * 6) == 0
+    ctl.calib_passed, ctl.calib_tested = [20.0] * 10, [20.0] * 10  # measured: every copy accepted
+    assert ctl.cut([d.FIRST_CONFIDENCE[2]] + [d.LATER_CONFIDENCE[2]] * 6) == 7

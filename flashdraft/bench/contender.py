@@ -9,6 +9,7 @@ from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
 ALL_CONFIGS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+               "ngram-standing-cost",
                "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
@@ -27,7 +28,10 @@ DESCRIPTIONS = {
     "none": "flashdraft, no drafter (baseline)",
     "default": f"flashdraft as `make serve` runs it ({SERVE_DEFAULT})",
     "dflash-cost": "flashdraft, DFlash drafter, cost controller (measured verify costs, drafts cut by confidence)",
-    "ngram-cost": "flashdraft, prompt lookup, cost controller (measured verify costs)",
+    "ngram-cost": "flashdraft, prompt lookup, cost controller (measured verify costs; every step's copy cut by "
+                  "its match length)",
+    "ngram-standing-cost": "flashdraft, prompt lookup, cost controller drafting only at its standing depth "
+                           "(no per-step cut: the rule before it, for comparison)",
     "hybrid-cost": "flashdraft, hybrid, cost controller (measured verify costs, DFlash drafts cut by confidence)",
     "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
     "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
@@ -65,7 +69,7 @@ def adaptive_base(name: str) -> str | None:
     name = SERVE_DEFAULT if name == "default" else name
     for suffix in ("-adaptive", "-cost"):
         head, sep, rest = name.rpartition(suffix)
-        if sep and not rest and head in ("dflash", "ngram", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
+        if sep and not rest and head in ("dflash", "ngram", "ngram-standing", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
                                          "hybrid-gated", "draft", "self-draft"):
             return head
     return None

@@ -21,6 +21,7 @@ from flashdraft.sampling import SamplingParams
 from flashdraft.targets.torch import Target
 
 OURS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+        "ngram-standing-cost",
         "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix",
         "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive", "draft", "draft-adaptive",
         "self-draft", "self-draft-adaptive")
@@ -113,6 +114,9 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     lookup = "suffix" if kind == "hybrid-suffix" else base.lookup
     p_min = (base.p_min or GATED_P_MIN) if kind.endswith("-gated") else base.p_min
     kind = kind.removesuffix("-suffix").removesuffix("-gated")
+    # ngram-standing: prompt lookup asked for drafts only at the controller's standing depth
+    standing = kind == "ngram-standing"
+    kind = kind.removesuffix("-standing")
     self_draft = kind == "self-draft"
     kind = "draft" if self_draft else kind
     cfg = EngineConfig(model=base.model, spec_type=kind, lookup=lookup, p_min=p_min, suffix_cache=base.suffix_cache,
@@ -138,4 +142,7 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                                              "`flashdraft train --kind ar`)")
         cfg.draft_model = draft_model
     # warm-up is the runner's job: it runs every configuration the same way
-    return EngineContender(name, load_engine(cfg, target=target, warmup=False))
+    generator = load_engine(cfg, target=target, warmup=False)
+    if standing:
+        generator.drafter.free_drafts = False
+    return EngineContender(name, generator)

@@ -54,6 +54,12 @@ class Drafter:
     SOURCES: tuple[str, ...] = ()
     #: per source of :attr:`SOURCES`, the longest draft it can propose (None: no sources)
     source_max_draft: dict[str, int] | None = None
+    #: a draft costs next to nothing beside a target step and carries a confidence per token
+    #: (prompt lookup): under the ``cost`` controller the loop then asks for the longest draft
+    #: on every step, and the measured cost table with that confidence decides how much of it
+    #: to verify (:meth:`flashdraft.adaptive.ProfitController.cut`), instead of the
+    #: controller's standing depth turning drafting on or off for many steps at a time
+    free_drafts: bool = False
 
     def reset(self) -> None:
         """Forget the previous sequence (called before every request)."""

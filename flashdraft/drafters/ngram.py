@@ -16,31 +16,76 @@ from flashdraft.sampling import SamplingParams
 class NgramDrafter(Drafter):
     """Prompt-lookup drafter; deterministic (its drafts are verified as one-hot).
 
+    The n-grams seen so far are kept in one dictionary per size (n-gram -> end of its
+    latest occurrence), updated with the tokens each step adds, so a proposal costs the
+    same at 100 and at 10,000 context tokens (a scan of the whole sequence cost ~1 ms per
+    1,000 tokens, which a long agent prompt paid on every step).
+
+    Each draft token carries a confidence (:attr:`Draft.confidence`): a prior guess of its
+    chance of acceptance from the length of the matched n-gram and whether it is the
+    first token of the copy (:data:`FIRST_CONFIDENCE`, :data:`LATER_CONFIDENCE`). The
+    ``cost`` controller calibrates these by what it measures, bin by bin, and verifies only
+    the prefix that pays (:meth:`flashdraft.adaptive.ProfitController.cut`); the values only
+    need to put different kinds of guesses in different bins.
+
     Args:
         max_ngram: longest suffix n-gram to match (tried first).
         min_ngram: shortest suffix n-gram to match.
+    Raises:
+        ValueError: unless ``1 <= min_ngram <= max_ngram``.
     """
 
     name = "ngram"
+    #: a draft costs ~20 µs, nothing next to a target step: under the cost controller the
+    #: loop asks for the longest draft every step and the cut decides (generate.py)
+    free_drafts = True
+    #: confidence of a copy's first token by matched n-gram length (1, 2, 3+)
+    FIRST_CONFIDENCE = (0.15, 0.35, 0.55)
+    #: confidence of a later token of the copy (the ones before it accepted) by n-gram length
+    LATER_CONFIDENCE = (0.65, 0.75, 0.85)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self._known = torch.empty(0, dtype=torch.long)  # the tokens indexed so far
+        self._ids: list[int] = []
+        self._last_end: dict[int, dict[tuple, int]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
+        self._indexed = 0  # n-grams ending at positions < this are in _last_end
+
+    def _sync(self, tokens: torch.Tensor) -> None:
+        """Index the n-grams of ``tokens`` that end before its last position (the suffix
+        being matched must not match itself); starts over when ``tokens`` does not extend
+        what was indexed (another sequence, a rollback)."""
+        n = self._known.shape[0]
+        if tokens.shape[0] < n or not torch.equal(tokens[:n], self._known):
+            self.reset()
+            n = 0
+        self._ids.extend(tokens[n:].tolist())
+        self._known = tokens.clone()
+        ids, tables = self._ids, self._last_end
+        for p in range(self._indexed, len(ids) - 1):
+            for s, table in tables.items():
+                if p - s + 1 >= 0:
+                    table[tuple(ids[p - s + 1:p + 1])] = p
+        self._indexed = max(self._indexed, len(ids) - 1)
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Draft:
-        seq = tokens.tolist()
-        L = len(seq)
+        """Up to ``n`` tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram of ``tokens [L]`` that occurred before; empty where none did."""
+        self._sync(tokens)
+        ids, L = self._ids, len(self._ids)
         for size in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            suffix = seq[L - size:]
-            # most recent earlier match: scan start positions right to left
-            for start in range(L - size - 1, -1, -1):
-                if seq[start:start + size] == suffix:
-                    follow = seq[start + size:start + size + n]
-                    if follow:
-                        return Draft(torch.tensor(follow, dtype=torch.long, device=HOST))
-                    break
+            end = self._last_end[size].get(tuple(ids[L - size:]))
+            if end is not None:
+                follow = ids[end + 1:end + 1 + n]
+                k = min(size, len(self.FIRST_CONFIDENCE)) - 1
+                conf = [self.FIRST_CONFIDENCE[k]] + [self.LATER_CONFIDENCE[k]] * (len(follow) - 1)
+                return Draft(torch.tensor(follow, dtype=torch.long, device=HOST), confidence=conf)
         return Draft.empty()
 
 
