@@ -389,8 +389,9 @@ def _decode_together(gen, prompts, n_tokens):
 
 @pytest.mark.real
 def test_real_model_every_drafter_is_greedy_identical(real_llama, real_plain):
-    """7 configurations x 512 tokens (2 prompts x 256) on the llama backend: dflash, ngram,
-    hybrid and an autoregressive draft model one request at a time, and dflash, ngram,
+    """8 configurations x 512 tokens (2 prompts x 256) on the llama backend: dflash, ngram,
+    hybrid, an autoregressive draft model and `make serve`'s ngram under the cost controller
+    one request at a time, and dflash, ngram,
     hybrid with 4 sequences in one batch (the server's -np 4), all token-identical to the
     backend's own plain decoding."""
     from flashdraft.engine import EngineConfig, load_drafter
@@ -411,6 +412,18 @@ def test_real_model_every_drafter_is_greedy_identical(real_llama, real_plain):
             assert got == want, spec
             drafted += timings.draft_n
         assert drafted > 0, spec
+    # what `make serve` runs: prompt lookup under the cost controller (a draft every step, cut
+    # by the measured cost table and the match length)
+    from flashdraft.engine import load_engine
+
+    gen = load_engine(EngineConfig(spec_type="ngram", controller="cost", n_draft=7, ctx_size=1024), target=t,
+                      warmup=False)
+    drafted = 0
+    for ids, want in zip(prompts, base):
+        _, got, _, timings = generate_text(gen, ids, REAL_TOKENS, SamplingParams())
+        assert got == want, "ngram-cost"
+        drafted += timings.draft_n
+    assert drafted > 0, "ngram-cost"
     # -np 4: four sequences (both prompts twice) stepped together, one llama_decode per step
     for spec in ("dflash", "ngram", "hybrid"):
         gen = SpeculativeGenerator(t, load_drafter(EngineConfig(spec_type=spec), t), ctx_size=1024, n_draft=7)
