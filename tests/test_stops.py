@@ -46,3 +46,51 @@ def test_whole_text_is_unchanged():
     for b in EMOJIS.encode():
         stream.add(b)
     assert stream.delta(final=True) == EMOJIS
+
+
+def _metaspace_decode(ids: list[int]) -> str:
+    """SentencePiece-like: token id 1 is "▁a" (a word with a leading space), 2 is "b", 3 is
+    "▁." ; the first token's leading space is dropped, and " ." is cleaned up to "."."""
+    pieces = {1: " a", 2: "b", 3: " ."}
+    text = "".join(pieces[i] for i in ids)
+    return text.removeprefix(" ").replace(" .", ".")
+
+
+@pytest.mark.parametrize("decode,alphabet", [(_byte_decode, list(EMOJIS.encode())), (_metaspace_decode, [1, 2, 3])])
+def test_incremental_text_equals_decoding_everything(decode, alphabet):
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        stream, ids = TextStream(decode), []
+        for _ in range(rng.randint(1, 40)):
+            tok = rng.choice(alphabet)
+            ids.append(tok)
+            stream.add(tok)
+            assert stream.text == decode(ids)
+
+
+def test_incremental_text_on_the_real_tokenizer():
+    """SmolLM2's tokenizer (byte-level BPE): random ids, special tokens among them, and a
+    real text's ids give every prefix's full decoding at every token."""
+    import random
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from flashdraft.targets.torch import default_model_path
+
+    path = Path(default_model_path())
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    rng = random.Random(0)
+    texts = [tok.encode("Hello, wörld! 😀 naïve café — 「日本語」 x = [1, 2]; print(x)\n\tdone. " * 3),
+             [rng.randrange(len(tok)) for _ in range(300)]]
+    for ids in texts:
+        stream = TextStream(decode)
+        for i, t in enumerate(ids):
+            stream.add(t)
+            assert stream.text == decode(ids[:i + 1]), i
