@@ -88,16 +88,22 @@ def best_slot(free: list[Slot], prompt_ids: list[int], reuse: bool = True) -> Sl
     return min(free, key=held)
 
 
-def start(generator: SpeculativeGenerator, slot: Slot, request: GenerationRequest) -> None:
-    """Begin ``request`` in ``slot`` (its first step is the prefill); with
+def start(generator: SpeculativeGenerator, slot: Slot, request: GenerationRequest,
+          prefill_chunk: int | None = None) -> None:
+    """Begin ``request`` in ``slot`` (its first steps are the prefill); with
     ``request.cache_prompt`` it starts from the slot's prompt cache (its common prefix is
-    not prefilled).
+    not prefilled). ``prefill_chunk``: most prompt tokens per step (None = the whole
+    prompt in one): a long prompt is prefilled over several steps, each packed with the
+    other slots' decode steps, which a whole-prompt prefill would stall for its duration
+    (:attr:`~flashdraft.generate.Sequence.prefill_chunk`); the steps before the last
+    return empty (:attr:`~flashdraft.generate.Sequence.prefilled` still False).
 
     Raises:
         ContextOverflowError / ValueError: as :class:`~flashdraft.generate.Sequence`; the slot stays free.
     """
     cached, slot.prompt_cache = slot.prompt_cache, None  # the new sequence owns (or drops) it
     slot.seq = Sequence(generator, request, drafter=slot.drafter, controller=slot.controller, reuse=cached)
+    slot.seq.prefill_chunk = prefill_chunk
     slot.delivered = False
 
 

@@ -399,6 +399,12 @@ class Sequence:
             self.cache = target.new_cache(kv=generator.kv)
         self.n_cached = n_cached
         self.n_prompt = len(prompt_ids)
+        #: most prompt tokens one prefill forward takes (None: the whole prompt in one); the
+        #: server's parallel slots set it (``-b``), so a long prompt is prefilled over several
+        #: packed steps and the other slots' answers keep coming in between
+        self.prefill_chunk: int | None = None
+        self._prefill_at = n_cached  # prompt positions whose K/V the target cache holds
+        self._chunk = 0  # tokens of the prefill chunk in flight when it is not the last one
         self.drafter.start_request(r.client)
         self.t = Timings(prompt_n=len(prompt_ids) - n_cached, cache_n=n_cached)
         self.bias = None
@@ -431,9 +437,15 @@ class Sequence:
         """This step's target input: ``(token_ids [T], cache, logits_from)`` for ``Target.forward``."""
         if not self.prefilled:
             # 1. prefill: one target forward over the prompt (logits of the last row only)
-            #    (after the cached prefix: its K/V are in the cache already)
-            self._t0 = time.perf_counter()
-            todo = self.tokens[self.n_cached:]
+            #    (after the cached prefix: its K/V are in the cache already), or over its next
+            #    chunk of at most prefill_chunk tokens (no logits before the last chunk)
+            if self._prefill_at == self.n_cached:
+                self._t0 = time.perf_counter()
+            todo = self.tokens[self._prefill_at:]
+            if self.prefill_chunk is not None and todo.shape[0] > self.prefill_chunk:
+                todo = todo[: self.prefill_chunk]
+                self._chunk = todo.shape[0]
+                return todo, self.cache, todo.shape[0]
             return todo, self.cache, todo.shape[0] - 1
         # 2. draft: depth from the controller (or fixed); never past max_tokens (the bonus
         #    token adds one) or the context
@@ -458,7 +470,13 @@ class Sequence:
 
     def finish(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         """Consume the forward of :meth:`prepare`'s input: ``logits [T - logits_from, V]``,
-        ``features [T, F]`` or None. Returns the step's output (``finish_reason`` set on the last)."""
+        ``features [T, F]`` or None. Returns the step's output (``finish_reason`` set on the last);
+        a chunk of the prompt before its last returns an empty step (:attr:`prefilling`)."""
+        if self._chunk:  # an early chunk of a long prompt: its K/V are in, nothing to sample
+            n, self._chunk = self._chunk, 0
+            self._prefill_at += n
+            self.drafter.commit(self._prefill_at, features)
+            return Step("", [])
         if self.bias is not None:  # before the first read: every rule sees the biased target
             ids, values = self.bias
             logits[:, ids] += values

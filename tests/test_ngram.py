@@ -12,14 +12,18 @@ from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.sampling import SamplingParams
 
 
-def scan(seq: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[list[int], int]:
+def scan(seq: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1, cap: int = 16) -> tuple[list[int], int]:
     """The reference: the latest earlier occurrence of the longest suffix n-gram, by a scan
-    right to left; ``(continuation, matched size)``."""
+    right to left; ``(continuation, match length)``, the length counted back from the
+    occurrence's end while its context equals the sequence's end (at most ``cap``)."""
     L = len(seq)
     for size in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         for start in range(L - size - 1, -1, -1):
             if seq[start:start + size] == seq[L - size:]:
-                return seq[start + size:start + size + n], size
+                end, m = start + size - 1, size
+                while m < cap and end - m >= 0 and seq[end - m] == seq[L - 1 - m]:
+                    m += 1
+                return seq[start + size:start + size + n], m
     return [], 0
 
 
@@ -31,10 +35,11 @@ def test_incremental_index_equals_a_scan_through_appends_and_rollbacks():
         seq = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
         for _ in range(60):
             draft = d.propose(torch.tensor(seq), 5, SamplingParams(), None)
-            want, size = scan(seq, 5)
+            want, m = scan(seq, 5)
             assert draft.tokens.tolist() == want
+            assert d.last_match_length == m
             if want:
-                k = min(size, 3) - 1
+                k = next((i for i, top in enumerate(d.MATCH_BUCKETS) if m <= top), len(d.MATCH_BUCKETS))
                 assert draft.confidence == [d.FIRST_CONFIDENCE[k]] + [d.LATER_CONFIDENCE[k]] * (len(want) - 1)
             else:
                 assert not draft.confidence
@@ -52,6 +57,11 @@ def test_longer_matches_are_more_confident():
     one = d.propose(torch.tensor([1, 2, 9, 8, 2]), 3, SamplingParams(), None)  # only "2" recurs
     d.reset()
     three = d.propose(torch.tensor([1, 2, 3, 4, 5, 1, 2, 3]), 3, SamplingParams(), None)  # "1 2 3" recurs
-    assert one.tokens.tolist() == [9, 8, 2] and three.tokens.tolist() == [4, 5, 1]
-    assert one.confidence[0] < three.confidence[0]
+    assert d.last_match_length == 3
+    d.reset()
+    text = list(range(10, 30))
+    long = d.propose(torch.tensor(text + [7] + text[:12]), 3, SamplingParams(), None)  # 12 tokens recur
+    assert d.last_match_length == 12
+    assert one.tokens.tolist() == [9, 8, 2] and three.tokens.tolist() == [4, 5, 1] and long.tokens.tolist() == [22, 23, 24]
+    assert one.confidence[0] < three.confidence[0] < long.confidence[0]
     assert one.confidence[0] < one.confidence[1]  # a copy that started well goes on well

@@ -247,3 +247,40 @@ def test_http_server_with_parallel_slots():
 
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, prompts)) == alone
+
+
+@pytest.mark.parametrize("which", ["none", "ngram", "dflash"])
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(which):
+    """-b: a 50-token prompt with prefill_chunk 8 takes 7 packed steps; in each of the first 6
+    (empty steps, nothing handed out) the slot already decoding gets its step, and both answers
+    equal each request alone (the drafter's context too: DFlash commits chunk by chunk)."""
+    from flashdraft import batch
+
+    target = tiny_target("llama")
+    drafter = _drafters(target)[["none", "ngram", "dflash"].index(which)]
+    gen = SpeculativeGenerator(target, drafter, ctx_size=256, n_draft=5)
+    long_prompt = [(7 * i) % 60 + 1 for i in range(50)]
+    want_long = generate_text(gen, long_prompt, 12, GREEDY, ignore_eos=True)[1]
+    want_short = generate_text(gen, PROMPTS[1], 40, GREEDY, ignore_eos=True)[1]
+    slots = batch.make_slots(gen, 2)
+    batch.start(gen, slots[0], GenerationRequest(PROMPTS[1], 40, GREEDY, ignore_eos=True), prefill_chunk=8)
+    got = {0: [], 1: []}
+    got[0] += batch.step_together(target, [slots[0].seq])[0].token_ids  # the short one is decoding
+    batch.start(gen, slots[1], GenerationRequest(long_prompt, 12, GREEDY, ignore_eos=True), prefill_chunk=8)
+    chunks, short_during = 0, 0
+    while any(s.seq is not None for s in slots):
+        busy = [s for s in slots if s.seq is not None]
+        prefilling = slots[1].seq is not None and not slots[1].seq.prefilled
+        for s, step in zip(busy, batch.step_together(target, [s.seq for s in busy])):
+            assert not isinstance(step, Exception), step
+            got[s.index] += step.token_ids
+            if s.index == 1 and prefilling and not s.seq.prefilled:
+                chunks += 1
+                assert step.token_ids == [] and step.text == ""
+            if s.index == 0 and prefilling and step.token_ids:
+                short_during += 1
+            if s.seq.done:
+                assert step.timings.prompt_n == (50 if s.index == 1 else len(PROMPTS[1]))
+                s.seq = None
+    assert chunks == 6 and short_during >= 6
+    assert got[0] == want_short and got[1] == want_long

@@ -21,12 +21,14 @@ class NgramDrafter(Drafter):
     same at 100 and at 10,000 context tokens (a scan of the whole sequence cost ~1 ms per
     1,000 tokens, which a long agent prompt paid on every step).
 
-    Each draft token carries a confidence (:attr:`Draft.confidence`): a prior guess of its
-    chance of acceptance from the length of the matched n-gram and whether it is the
-    first token of the copy (:data:`FIRST_CONFIDENCE`, :data:`LATER_CONFIDENCE`). The
-    ``cost`` controller calibrates these by what it measures, bin by bin, and verifies only
-    the prefix that pays (:meth:`flashdraft.adaptive.ProfitController.cut`); the values only
-    need to put different kinds of guesses in different bins.
+    Each draft token carries a confidence (:attr:`Draft.confidence`): its chance of
+    acceptance by how long the context of the copied occurrence matches the sequence's end
+    (:attr:`last_match_length`, counted back up to :data:`MATCH_CAP` tokens, past the n-gram
+    that found it) and whether it is the copy's first token (:data:`FIRST_CONFIDENCE`,
+    :data:`LATER_CONFIDENCE`: measured on SmolLM2-135M's greedy answers to 20 bench prompts,
+    ``scripts/lookup_confidence.py``). The ``cost`` controller calibrates them further by what
+    it measures, bin by bin, and verifies only the prefix that pays
+    (:meth:`flashdraft.adaptive.ProfitController.cut`).
 
     Args:
         max_ngram: longest suffix n-gram to match (tried first).
@@ -39,10 +41,14 @@ class NgramDrafter(Drafter):
     #: a draft costs ~20 µs, nothing next to a target step: under the cost controller the
     #: loop asks for the longest draft every step and the cut decides (generate.py)
     free_drafts = True
-    #: confidence of a copy's first token by matched n-gram length (1, 2, 3+)
-    FIRST_CONFIDENCE = (0.15, 0.35, 0.55)
-    #: confidence of a later token of the copy (the ones before it accepted) by n-gram length
-    LATER_CONFIDENCE = (0.65, 0.75, 0.85)
+    #: longest match length counted (tokens)
+    MATCH_CAP = 16
+    #: upper ends of the match-length buckets (tokens); longer matches are the last bucket
+    MATCH_BUCKETS = (1, 2, 4, 7, 15)
+    #: P(a copy's first token is accepted) per bucket: lengths 1, 2, 3-4, 5-7, 8-15, 16+
+    FIRST_CONFIDENCE = (0.24, 0.53, 0.71, 0.79, 0.93, 0.98)
+    #: P(a later token is accepted | the ones before it were) per bucket
+    LATER_CONFIDENCE = (0.69, 0.82, 0.81, 0.89, 0.94, 0.98)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -55,6 +61,8 @@ class NgramDrafter(Drafter):
         self._ids: list[int] = []
         self._last_end: dict[int, dict[tuple, int]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
         self._indexed = 0  # n-grams ending at positions < this are in _last_end
+        #: tokens of context the last draft's occurrence shared with the sequence's end (0: none)
+        self.last_match_length = 0
 
     def _sync(self, tokens: torch.Tensor) -> None:
         """Index the n-grams of ``tokens`` that end before its last position (the suffix
@@ -79,11 +87,16 @@ class NgramDrafter(Drafter):
         suffix n-gram of ``tokens [L]`` that occurred before; empty where none did."""
         self._sync(tokens)
         ids, L = self._ids, len(self._ids)
+        self.last_match_length = 0
         for size in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             end = self._last_end[size].get(tuple(ids[L - size:]))
             if end is not None:
                 follow = ids[end + 1:end + 1 + n]
-                k = min(size, len(self.FIRST_CONFIDENCE)) - 1
+                m = size  # how far back the occurrence's context goes on matching
+                while m < self.MATCH_CAP and end - m >= 0 and ids[end - m] == ids[L - 1 - m]:
+                    m += 1
+                self.last_match_length = m
+                k = next((i for i, top in enumerate(self.MATCH_BUCKETS) if m <= top), len(self.MATCH_BUCKETS))
                 conf = [self.FIRST_CONFIDENCE[k]] + [self.LATER_CONFIDENCE[k]] * (len(follow) - 1)
                 return Draft(torch.tensor(follow, dtype=torch.long, device=HOST), confidence=conf)
         return Draft.empty()

@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="parallel slots: up to N requests decode together, their verify steps packed "
                         "into one target forward per step (more total tokens/s, each request a bit "
                         "slower); further requests wait for a free slot (default: 1)")
+    h.add_argument("-b", "--batch-size", type=positive_int, default=256,
+                   help="with -np > 1, most prompt tokens one packed step prefills for a slot: a longer "
+                        "prompt is prefilled over several steps and the other slots keep answering in "
+                        "between (llama-server's logical batch; its default is 2048, ours is smaller "
+                        "because a CPU prefills ~250 tokens/s) (default: 256)")
     h.add_argument("--metrics", action="store_true", help="expose Prometheus metrics at /metrics")
     h.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -207,7 +212,8 @@ def settings_from_args(args: argparse.Namespace):
         spec_type=resolve_spec_type(args.spec_type, args.model, args.spec_draft_model),
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=None if args.seed < 0 else args.seed, n_predict=args.n_predict, metrics=args.metrics,
-        api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel, webui=args.webui,
+        api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel,
+        batch_size=args.batch_size, webui=args.webui,
         slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
         chat_template_kwargs=kwargs, verbose=args.verbose, sse_ping_interval=args.sse_ping_interval,

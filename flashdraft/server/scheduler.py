@@ -119,13 +119,19 @@ class Scheduler:
         generator: the loaded speculative generator.
         metrics: counters to update, or None.
         n_slots: requests decoded together (``-np``); 1 = one at a time.
+        prefill_chunk: with ``n_slots`` > 1, most prompt tokens a slot prefills per packed
+            step (``-b``; None = whole prompts, which stall the other slots meanwhile).
     Raises:
-        ValueError: ``n_slots < 1``.
+        ValueError: ``n_slots < 1`` or ``prefill_chunk < 1``.
     """
 
-    def __init__(self, generator: SpeculativeGenerator, metrics: ServerMetrics | None = None, n_slots: int = 1):
+    def __init__(self, generator: SpeculativeGenerator, metrics: ServerMetrics | None = None, n_slots: int = 1,
+                 prefill_chunk: int | None = None):
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.generator = generator
         self.metrics = metrics
         self.n_slots = n_slots
@@ -331,6 +337,8 @@ class Scheduler:
                 if slot.seq.done:  # out of the running count before the client gets its answer
                     self._end(slot, result)
                     continue
+                if not slot.seq.prefilled:  # a chunk of a long prompt: nothing to hand out yet
+                    continue
                 if not ticket.channel.put(result):
                     ticket.cancel()
                 slot.delivered = True
@@ -354,7 +362,7 @@ class Scheduler:
             job = ticket.job
             slot = batch.best_slot(free, job.prompt_ids, reuse=job.cache_prompt)
             try:
-                batch.start(self.generator, slot, job)
+                batch.start(self.generator, slot, job, self.prefill_chunk)
             except Exception as e:  # e.g. a prompt longer than the context: that request fails
                 log.error("generation failed", exc_info=e)
                 ticket.channel.put(JobFailed(e, after_output=False))

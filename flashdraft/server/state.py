@@ -61,6 +61,8 @@ class ServerSettings:
         api_key: required Bearer token, or None.
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
         n_parallel: ``-np``: requests decoded together (one packed target forward per step).
+        batch_size: ``-b``: with ``-np`` > 1, most prompt tokens a slot prefills in one packed
+            step (a longer prompt takes several, and the other slots step in between).
         limits: the ``--max-*`` limits (:class:`~flashdraft.server.limits.Limits`).
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
@@ -94,6 +96,7 @@ class ServerSettings:
     api_key: str | None = None
     reasoning: str = "auto"
     n_parallel: int = 1
+    batch_size: int = 256
     limits: Limits = field(default_factory=Limits)
     webui: bool = True
     slots_endpoint: bool = True
@@ -157,7 +160,8 @@ class ServerState:
         self.generator = generator
         self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs(), self.settings.chat_template)
         self.model_id = (self.settings.aliases() or [generator.target.name])[0]
-        self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel)
+        self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel,
+                                   prefill_chunk=self.settings.batch_size)
         self.scheduler.start()
         if self.status == "stopping":  # SIGTERM came while loading: stay stopping
             self.scheduler.begin_shutdown(0.0)
