@@ -67,8 +67,10 @@ def turn(url: str, body: dict) -> dict:
             if event.get("type") == "content_block_delta":
                 first = first or time.perf_counter()
                 text.append(event["delta"].get("text", ""))
+            if event.get("type") == "message_start":  # llama-server counts the prompt here only
+                usage.update(event.get("message", {}).get("usage", {}))
             if event.get("type") == "message_delta":
-                usage = {**event.get("usage", {}), **({"timings": event["timings"]} if "timings" in event else {})}
+                usage.update(event.get("usage", {}), **({"timings": event["timings"]} if "timings" in event else {}))
     end = time.perf_counter()
     return {"ttft_ms": 1e3 * ((first or end) - t0), "total_ms": 1e3 * (end - t0), "text": "".join(text),
             "usage": usage}
@@ -135,13 +137,16 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    print("| server | pass | turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 | turn 2 prompt: cached + new tokens |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| server | pass | turn 1 prompt tokens | turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 | "
+          "turn 2 prompt: cached + new tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, runs in results.items():
         for i, r in enumerate(runs, 1):
             u = r["turn2"]["usage"]
             cached = u.get("cache_read_input_tokens", "?")
-            print(f"| {name} | {i} | {r['turn1']['ttft_ms']:.0f} | {r['turn2']['ttft_ms']:.0f} | "
+            u1 = r["turn1"]["usage"]
+            n1 = u1.get("input_tokens", 0) + u1.get("cache_read_input_tokens", 0)
+            print(f"| {name} | {i} | {n1} | {r['turn1']['ttft_ms']:.0f} | {r['turn2']['ttft_ms']:.0f} | "
                   f"{100 * r['ratio']:.1f}% | {cached} + {u.get('input_tokens', '?')} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
