@@ -567,7 +567,7 @@ class Sequence:
             ctrl = ctrl.for_source(self.drafter.next_source(self.tokens, ctrl.pick))
         self._ctrl = ctrl
         depth = min(cap, ctrl.choose())  # choose() first: it may move the standing depth
-        if self.drafter.free_drafts and ctrl.verify_costs is not None and not ctrl.probing:
+        if self.drafter.free_drafts and getattr(ctrl, "verify_costs", None) is not None and not ctrl.probing:
             # a free draft (prompt lookup): ask for the longest every step and let the cost
             # table and the draft's confidence cut it (prepare); a copy that starts after
             # a failed probe is then not missed until the next probe
