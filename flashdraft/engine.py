@@ -133,7 +133,8 @@ class EngineConfig:
                       cache_type_v_draft=args.cache_type_v_draft, kv_sink_tokens=args.kv_sink_tokens,
                       kv_tail_tokens=args.kv_tail_tokens, lookup=args.spec_lookup, suffix_cache=args.spec_suffix_cache,
                       suffix_factor=args.spec_suffix_factor, suffix_min_prob=args.spec_suffix_min_prob,
-                      p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype)
+                      p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype,
+                      ubatch=getattr(args, "ubatch_size", None))
         return cls(**{**fields, **overrides})
 
     def report(self, names: tuple[str, ...]) -> dict:
@@ -210,6 +211,9 @@ class EngineConfig:
     backend: str = "auto"
     #: sequences decoded together (``-np``): the llama backend sizes its context for them
     n_parallel: int = 1
+    #: ``-ub``: rows per llama.cpp decode (llama backend); None = its exact default
+    #: (:data:`flashdraft.targets.llama.DEFAULT_UBATCH`)
+    ubatch: int | None = None
 
 
 #: the fields the KV cache flags set (:func:`flashdraft.flags.add_cache_arguments`)
@@ -388,7 +392,9 @@ def load_engine_target(cfg: EngineConfig):
     log.info("%s", choice.line())
     if choice.backend == "llama" and not cfg.cache_types_given:
         kv = KVCacheSpec("f16", "f16")
-    return load_target(cfg.model, choice, weights=cfg.weights, device=device, n_ctx=cfg.ctx_size,
+    if cfg.ubatch is not None and choice.backend != "llama":
+        log.warning("-ub %d: rows per llama.cpp decode; the torch backend has no such setting (ignored)", cfg.ubatch)
+    return load_target(cfg.model, choice, weights=cfg.weights, device=device, n_ctx=cfg.ctx_size, ubatch=cfg.ubatch,
                        n_seq=cfg.n_parallel, kv=kv)
 
 

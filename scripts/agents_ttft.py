@@ -7,7 +7,7 @@ server at a time, as an agent does: turn 1 is sent, its streamed answer is sent 
 assistant message with the recorded turn-2 user message after it, and the two times to
 first token are compared (issue target: turn 2 ≤ 15% of turn 1).
 
-    .venv/bin/python scripts/agents_ttft.py [--tokens 64] [--repeats 2] [--out FILE]
+    .venv/bin/python scripts/agents_ttft.py [--tokens 64] [--repeats 2] [--ubatch 512] [--out FILE]
 
 Both servers: one slot, T = 0, the answer capped at ``--tokens``; the first token is the
 first ``content_block_delta`` event's arrival at the client. Each server is warmed with one
@@ -92,8 +92,9 @@ def run_pair(url: str, body: dict, follow_up: dict) -> dict:
     return {"turn1": one, "turn2": two, "ratio": two["ttft_ms"] / one["ttft_ms"]}
 
 
-def start_ours(port: int) -> subprocess.Popen:
+def start_ours(port: int, ubatch: int | None = None) -> subprocess.Popen:
     flags = ["--spec-type", "ngram", "--spec-dm-controller", "cost", "-t", "2", "-c", "8192", "-np", "1"]
+    flags += ["-ub", str(ubatch)] if ubatch else []
     return subprocess.Popen([sys.executable, "-m", "flashdraft.server.cli", "--port", str(port), *flags],
                             cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
@@ -117,11 +118,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="answer tokens per turn (default: 64)")
     ap.add_argument("--repeats", type=int, default=2, help="conversation pairs per server (default: 2)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--ubatch", default="", help="also run ours with these -ub values, e.g. 512 (comma-separated)")
     args = ap.parse_args()
     body, follow_up = conversation(args.tokens)
     results = {}
-    for name, start in (("flashdraft (make serve, -c 8192 -np 1)", start_ours),
-                        ("llama-server (-c 8192 -np 1 --jinja)", start_llama_server)):
+    servers = [("flashdraft (make serve, -c 8192 -np 1)", start_ours)]
+    for ub in (int(x) for x in args.ubatch.split(",") if x):
+        servers.append((f"flashdraft (make serve, -c 8192 -np 1 -ub {ub})",
+                        lambda port, ub=ub: start_ours(port, ub)))
+    servers.append(("llama-server (-c 8192 -np 1 --jinja)", start_llama_server))
+    for name, start in servers:
         port = free_port()
         proc = start(port)
         url = f"http://127.0.0.1:{port}"

@@ -134,6 +134,34 @@ def test_more_sequences_than_ubatch_rows(tiny_gguf):
     assert len(outs) == 60 and all(lg.shape == (1, t.vocab_size) for lg, _ in outs)
 
 
+def test_a_large_ubatch_decodes_a_prefill_alone_and_drafting_stays_exact(tiny_gguf):
+    """-ub 256: a 100-row prefill runs in a decode of its own (over 64 rows ggml's attention
+    takes its tiled kernel), never packed with another slot's verify block, which keeps its
+    own logits bit for bit; greedy drafting still equals plain decoding on that target."""
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.generate import SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+    from flashdraft.targets.llama import PACK_ROWS, LlamaTarget
+
+    t = LlamaTarget(tiny_gguf, n_ctx=256, n_seq=2, ubatch=256, tokenizer=byte_tokenizer())
+    long, short = torch.tensor(t.encode("abcdefghij" * 10)), torch.tensor(t.encode("xyz"))
+    decodes = []
+    real = t._decode
+    t._decode = lambda items: decodes.append([len(ids) for ids, _, _ in items]) or real(items)
+    c = t.new_cache()
+    t.forward(torch.tensor(t.encode("hello")), c)
+    outs = t.forward_packed([(short, c, 0), (long, t.new_cache(), 99), (short, t.new_cache(), 0)])
+    assert decodes[1:] == [[3], [100], [3]] and 100 > PACK_ROWS
+    alone = t.forward(short, t.new_cache())[0]
+    assert torch.equal(outs[2][0], alone)
+    t._decode = real
+    ids = t.encode("abcabcabd abcabcab" * 3)
+    want = generate_text(SpeculativeGenerator(t, ctx_size=256), ids, 40, SamplingParams(), ignore_eos=True)[1]
+    got = generate_text(SpeculativeGenerator(t, NgramDrafter(), ctx_size=256, n_draft=6), ids, 40, SamplingParams(),
+                        ignore_eos=True)
+    assert got[1] == want and got[3].draft_n > 0
+
+
 def test_long_prefill_runs_in_ubatch_chunks(tiny_gguf):
     from flashdraft.targets.llama import LlamaTarget
 

@@ -31,7 +31,7 @@ CTX = 512
 ALIAS = "smol"
 API_KEY = "test-secret"
 SAMPLING_FLAGS = ["--temp", "0.7", "--top-k", "64", "--top-p", "0.95", "--min-p", "0.0"]
-IGNORED = ["-ngl", "all", "-b", "2048", "--flash-attn", "on", "--no-mmap"]
+IGNORED = ["-ngl", "all", "--flash-attn", "on", "--no-mmap"]
 CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy output is " 7, 8, 9, ...": drafts get accepted
 
@@ -158,7 +158,7 @@ def test_health_is_503_while_loading_then_ok(server):
 def test_ignored_flags_are_logged_once(server):
     lines = [line for line in server.log().splitlines() if "ignoring flags" in line]
     assert len(lines) == 1, lines
-    for flag in ("-ngl all", "-b 2048", "--flash-attn on", "--no-mmap"):
+    for flag in ("-ngl all", "--flash-attn on", "--no-mmap"):
         assert flag in lines[0]
 
 
@@ -519,7 +519,9 @@ def test_seed_guide_command_lines_parse():
     s = settings_from_args(base)
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.metrics, s.reasoning) == (0.7, 64, 0.95, 0.0, True, "off")
     assert s.template_kwargs() == {"enable_thinking": False}
-    assert ignored_flags(base) == ["-ngl all", "-b 2048", "-ub 512", "--flash-attn on"]
+    assert ignored_flags(base) == ["-ngl all", "--flash-attn on"]
+    # -b and -ub are real: the prefill chunk of a slot beside others, rows per llama.cpp decode
+    assert s.batch_size == 2048 and engine_config_from_args(base).ubatch == 512
     kv = engine_config_from_args(base).kv_spec()
     assert (kv.type_k, kv.type_v) == ("q5_0", "q4_1")  # the guide's compressed cache is real
     # -m without a drafter decodes plainly, as llama-server does without a draft model

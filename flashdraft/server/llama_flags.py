@@ -24,7 +24,6 @@ import argparse
 IGNORED = """
 -ngl --gpu-layers --n-gpu-layers : v
 --spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft : v
--ub --ubatch-size : v
 --flash-attn -fa : ?
 --kv-unified -kvu : b
 --no-kv-unified -no-kvu : b

@@ -44,9 +44,15 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 #: rows per llama_decode (n_batch = n_ubatch: the batch is never split behind our back). Below
 #: ggml's GGML_FA_TILE_Q (64): from 64 query rows on, ggml's CPU flash attention takes a tiled
 #: kernel that rounds otherwise, and a prefill of 64+ rows gave logits up to 1.2 away from the
-#: same tokens stepped one by one (measured): the prompt cache and greedy drafting would then
-#: drift from plain decoding. Under 64 rows every row is computed as a one-token step is.
+#: same tokens stepped one by one (measured): a cached prompt would then answer otherwise than
+#: the same prompt prefilled afresh. Under 64 rows every row is computed as a one-token step is.
+#: ``-ub 512`` (llama.cpp's default) prefills long prompts 1.3-3x faster and gives up only that
+#: (drafting still equals plain decoding: both prefill a prompt the same way).
 DEFAULT_UBATCH = 48
+#: most rows of one decode that packs several sequences (or verify blocks): under the tiled
+#: kernel's 64, so a verify block packed beside another slot's prefill is still computed as
+#: one-token steps are, whatever ``ubatch`` is; a longer item runs in decodes of its own
+PACK_ROWS = 48
 #: ``--repack`` values (LlamaTarget's ``repack``)
 REPACK_MODES = ("auto", "on", "off")
 
@@ -477,21 +483,26 @@ class LlamaTarget(TokenizerSide):
                        ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`forward` for several sequences in one ``llama_decode`` (the server's slots).
 
-        Items whose rows together exceed ``ubatch`` run in several decodes (a long prefill in
-        ``ubatch``-row chunks). Returns per item ``(logits [T_i - logits_from_i, V], features
-        [T_i, F] or None)``.
+        Consecutive items share a decode while their rows fit :data:`PACK_ROWS` (and
+        ``ubatch``); a longer item (a prefill) runs alone, in ``ubatch``-row chunks. Returns per
+        item ``(logits [T_i - logits_from_i, V], features [T_i, F] or None)``.
         """
         with self._lock:
             self._drain()
-            groups, group, rows = [], [], 0  # consecutive items in decodes of <= ubatch rows
+            limit = min(self.ubatch, PACK_ROWS)
+            groups, group, rows = [], [], 0  # consecutive items in decodes of <= limit rows
             for i, (t, c, lf) in enumerate(items):
                 T = int(t.shape[0])
-                if group and rows + T > self.ubatch:
+                if group and (rows + T > limit or T > limit):
                     groups.append(group)
                     group, rows = [], 0
                 group.append(i)
                 rows += T
-            groups.append(group)
+                if T > limit:  # alone: its rows must not change how a packed block is computed
+                    groups.append(group)
+                    group, rows = [], 0
+            if group:
+                groups.append(group)
             out: list = [None] * len(items)
             for g, members in enumerate(groups):
                 last = g == len(groups) - 1  # earlier decodes' logits views are overwritten: copy them

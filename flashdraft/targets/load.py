@@ -139,8 +139,10 @@ def choose_backend(backend: str, model: str | None, weights: str | None, device:
 
 
 def load_target(model: str | None, choice: BackendChoice, weights: str | None = None,
-                device: torch.device | str = "cpu", n_ctx: int = 4096, n_seq: int = 1, kv=None):
-    """Load the target on the chosen backend (threads: torch's current setting, ``-t``).
+                device: torch.device | str = "cpu", n_ctx: int = 4096, n_seq: int = 1, kv=None,
+                ubatch: int | None = None):
+    """Load the target on the chosen backend (threads: torch's current setting, ``-t``;
+    ``ubatch``: rows per llama.cpp decode, None = :data:`~flashdraft.targets.llama.DEFAULT_UBATCH`).
 
     Returns:
         a :class:`~flashdraft.targets.torch.Target` or :class:`~flashdraft.targets.llama.LlamaTarget`.
@@ -148,5 +150,7 @@ def load_target(model: str | None, choice: BackendChoice, weights: str | None = 
     if choice.backend == "llama":
         path = default_model_path() if model is None else model
         types = {} if kv is None else dict(cache_type_k=kv.type_k, cache_type_v=kv.type_v)
+        if ubatch is not None:
+            types["ubatch"] = ubatch
         return LlamaTarget.load(path, n_ctx=n_ctx, n_seq=n_seq, threads=torch.get_num_threads(), **types)
     return Target.load(model, weights=weights, device=device)
