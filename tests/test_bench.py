@@ -24,6 +24,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [{"id": "p0", "prompt": "t5 t9 t17 t3 t22 t41 t5 t9 t17"}]
 LOCAL_CONFIGS = ["none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
+                 "ngram-standing-cost",
                  "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                  "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup",
                  "hf-dflash", "hf-draft"]

@@ -57,7 +57,7 @@ class NgramDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self._known = torch.empty(0, dtype=torch.long)  # the tokens indexed so far
+        self._known = torch.empty(0, dtype=torch.long, device=HOST)  # the tokens indexed so far
         self._ids: list[int] = []
         self._last_end: dict[int, dict[tuple, int]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
         self._indexed = 0  # n-grams ending at positions < this are in _last_end
