@@ -174,6 +174,10 @@ def test_long_prefill_runs_in_ubatch_chunks(tiny_gguf):
     l2, f2 = big.forward(ids, big.new_cache())
     assert l1.shape == l2.shape and f1.shape == f2.shape == (50, small.hidden_size)
     assert torch.allclose(l1, l2, atol=1e-4) and torch.allclose(f1, f2, atol=1e-5)
+    # a chunk of a longer prompt (-b): no row asks for logits, the K/V and features still come
+    cache = small.new_cache()
+    lg, ft = small.forward(ids, cache, len(ids))
+    assert lg.shape == (0, small.vocab_size) and ft.shape == (50, small.hidden_size) and cache.length == 50
 
 
 def test_sampling_on_the_llama_backend_keeps_the_target_distribution(tiny_pair):
@@ -534,3 +538,31 @@ def test_packed_regeneration_on_llama_equals_plain_decoding(tiny_pair):
         rows = len(ids) + len(resp) - 1
         assert feats.shape == (rows, llama.hidden_size) and top[0].shape[0] == rows, pid
     llama.set_feature_layers(None)
+
+
+def test_chunked_prefill_between_slots_on_llama(tiny_gguf):
+    """-np 2 -b 64 on the llama backend: a 150-token prompt prefilled 64 tokens a step (each
+    chunk over the 48-row ubatch, so llama.cpp decodes it in pieces with no logits) beside a
+    decoding slot; both answers equal each request alone."""
+    from flashdraft import batch
+    from flashdraft.drafters.ngram import NgramDrafter
+    from flashdraft.generate import GenerationRequest, SpeculativeGenerator, generate_text
+    from flashdraft.sampling import SamplingParams
+    from flashdraft.targets.llama import LlamaTarget
+
+    t = LlamaTarget(tiny_gguf, n_ctx=256, n_seq=2, tokenizer=byte_tokenizer())
+    gen = SpeculativeGenerator(t, NgramDrafter(), ctx_size=256, n_draft=4)
+    long, short = t.encode("the quick brown fox " * 8)[:150], t.encode("abcabc")
+    want = [generate_text(gen, ids, 20, SamplingParams(), ignore_eos=True)[1] for ids in (short, long)]
+    slots = batch.make_slots(gen, 2)
+    for slot, ids in zip(slots, (short, long)):
+        batch.start(gen, slot, GenerationRequest(ids, 20, SamplingParams(), ignore_eos=True), prefill_chunk=64)
+    got = [[], []]
+    while any(s.seq is not None for s in slots):
+        busy = [s for s in slots if s.seq is not None]
+        for s, step in zip(busy, batch.step_together(t, [s.seq for s in busy])):
+            assert not isinstance(step, Exception), step
+            got[s.index] += step.token_ids
+            if s.seq.done:
+                s.seq = None
+    assert got == want

@@ -529,7 +529,10 @@ class LlamaTarget(TokenizerSide):
                 logits.append(lg if last else lg.clone())
             if ft is not None:
                 feats.append(ft)
-        lg = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if not logits:  # no row asked for logits (a chunk of a prompt that goes on)
+            lg = torch.empty(0, self.vocab_size)
+        else:
+            lg = logits[0] if len(logits) == 1 else torch.cat(logits)
         return lg, (torch.cat(feats) if feats else None)
 
     def _decode(self, items: list[tuple[list[int], LlamaCache, int]]):
