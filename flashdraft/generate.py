@@ -471,7 +471,7 @@ class Sequence:
     def finish(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         """Consume the forward of :meth:`prepare`'s input: ``logits [T - logits_from, V]``,
         ``features [T, F]`` or None. Returns the step's output (``finish_reason`` set on the last);
-        a chunk of the prompt before its last returns an empty step (:attr:`prefilling`)."""
+        a chunk of the prompt before its last returns an empty step (:attr:`prefilled` still False)."""
         if self._chunk:  # an early chunk of a long prompt: its K/V are in, nothing to sample
             n, self._chunk = self._chunk, 0
             self._prefill_at += n

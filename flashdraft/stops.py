@@ -18,6 +18,9 @@ class TextStream:
         stop: stop strings (empty strings are ignored).
     """
 
+    #: tokens decoded again before the new ones, as the tokenizer's context
+    CONTEXT_TOKENS = 4
+
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | tuple[str, ...] = ()):
         self.decode = decode
         self.stop = [s for s in stop if s]
@@ -54,9 +57,6 @@ class TextStream:
             self._window_text = self.decode(ids[keep:]) if keep < len(ids) else ""
             self._window = keep
         return out
-
-    #: tokens decoded again before the new ones, as the tokenizer's context
-    CONTEXT_TOKENS = 4
 
     def add(self, token_id: int) -> bool:
         """Append one token. Returns True when a stop string is now complete; then the
