@@ -37,8 +37,8 @@ class TextStream:
     def _decode_new(self) -> str:
         """The text of every token so far, decoding only the tokens since the last complete
         character and a few before them as context: what ``decode(token_ids)`` gives, at a
-        cost that does not grow with the answer (decoding the whole answer on every token
-        cost 0.2 ms per token at 256 tokens and grew with every one).
+        cost that does not grow with the answer (decoding the whole answer on every token cost
+        36 µs a token at 256 tokens, 278 at 2,048; this costs 7: docs/results/detok-cost.txt).
 
         The context tokens keep what a tokenizer does at a boundary (SentencePiece's leading
         space, byte fallback); where the window's text does not extend its context's (a
