@@ -15,6 +15,7 @@ import torch
 
 from flashdraft import costs
 from flashdraft.adaptive import CONTROLLERS, make_controller
+from flashdraft.synthetic import accept_probs
 from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
 from flashdraft.drafters.ar import ARDrafter
@@ -134,7 +135,9 @@ class EngineConfig:
                       kv_tail_tokens=args.kv_tail_tokens, lookup=args.spec_lookup, suffix_cache=args.spec_suffix_cache,
                       suffix_factor=args.spec_suffix_factor, suffix_min_prob=args.spec_suffix_min_prob,
                       p_min=args.spec_draft_p_min, draft_dtype=args.spec_draft_dtype,
-                      ubatch=getattr(args, "ubatch_size", None))
+                      ubatch=getattr(args, "ubatch_size", None),
+                      synth_rates=getattr(args, "spec_synth_rates", None),
+                      synth_len=getattr(args, "spec_synth_len", None))
         return cls(**{**fields, **overrides})
 
     def report(self, names: tuple[str, ...]) -> dict:
@@ -163,6 +166,7 @@ class EngineConfig:
                              f"{', '.join(DRAFT_DTYPES)}")
         if self.controller not in CONTROLLERS:
             raise ValueError(f"unknown --spec-dm-controller {self.controller!r}; choose from {', '.join(CONTROLLERS)}")
+        self.synth_accept()
         self.kv_spec()
         self.kv_spec(draft=True)
         device = device or resolve_device(self.device)  # DeviceUnavailableError (a ValueError) when absent
@@ -214,13 +218,31 @@ class EngineConfig:
     #: ``-ub``: rows per llama.cpp decode (llama backend); None = its exact default
     #: (:data:`flashdraft.targets.llama.DEFAULT_UBATCH`)
     ubatch: int | None = None
+    #: benchmarking only (``--spec-synth-rates`` / ``--spec-synth-len``, llama-server's):
+    #: drafts accepted by a coin at these rates, whatever the target says (:mod:`flashdraft.synthetic`)
+    synth_rates: tuple[float, ...] | None = None
+    synth_len: float | None = None
+
+    def synth_accept(self) -> list[float] | None:
+        """Per draft position, the synthetic acceptance probability (None: real verify).
+
+        Raises:
+            ValueError: bad rates or length (:func:`flashdraft.synthetic.accept_probs`), or
+                either without a drafter.
+        """
+        probs = accept_probs(None if self.synth_rates is None else list(self.synth_rates), self.synth_len,
+                             self.n_draft)
+        if probs is not None and self.spec_type == "none":
+            raise ValueError("synthetic acceptance (--spec-synth-rates/--spec-synth-len) needs a drafter: "
+                             "give --spec-type or -md")
+        return probs
 
 
 #: the fields the KV cache flags set (:func:`flashdraft.flags.add_cache_arguments`)
 CACHE_FIELDS = ("cache_type_k", "cache_type_v", "cache_types_given", "cache_type_k_draft", "cache_type_v_draft",
                 "kv_sink_tokens", "kv_tail_tokens")
 #: the fields the drafter network's flags set (:func:`flashdraft.flags.add_drafter_arguments`)
-DRAFTER_FIELDS = ("p_min", "draft_dtype")
+DRAFTER_FIELDS = ("p_min", "draft_dtype", "synth_rates", "synth_len")
 
 
 def resolve_spec_type(spec_type: str | None, model: str | None, draft_model: str | None) -> str:
@@ -471,6 +493,13 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     exact_step_threads(target)
     controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
+    synth = cfg.synth_accept()
+    if synth is not None:
+        # a fixed depth: the rates alone set the acceptance, and two runs draft alike
+        controller = None
+        log.warning("synthetic acceptance is on (benchmarking only): drafts of %d tokens are accepted at rates %s "
+                    "whatever the target says, so the output is NOT the model's", cfg.n_draft,
+                    ", ".join(f"{p:.3g}" for p in synth))
     if not isinstance(drafter, NoDrafter):
         drift = target.verify_drift()
         if drift:
@@ -478,7 +507,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
                         "%.3g apart): greedy output with drafting may differ from plain decoding; --backend torch "
                         "keeps it exact (docs/performance.md, 'The llama backend')", drift)
     gen = SpeculativeGenerator(target, drafter, ctx_size=cfg.ctx_size, n_draft=cfg.n_draft, controller=controller,
-                               kv=kv)
+                               kv=kv, synth_accept=synth)
     if warmup:
         gen.warmup()
     return gen

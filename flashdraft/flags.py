@@ -48,6 +48,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-dflash-cross-ctx", type=int, default=None,
                    help="DFlash drafter attends to at most N recent positions")
     add_drafter_arguments(p)
+    add_synth_arguments(p)
     add_suffix_arguments(p)
     p.add_argument("-c", "--ctx-size", type=non_negative_int, default=4096,
                    help="context size in tokens; 0 = the model's training context (default: 4096)")
@@ -73,6 +74,25 @@ def add_drafter_arguments(p) -> None:
                    help="dtype the drafter network and its LM head run in: auto = bf16 on a CPU where a measured "
                         "bf16 matmul beats f32 (AVX512-BF16/AMX), else f32; output is the target's either way "
                         "(default: auto; the startup log says which)")
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """``P0,P1,...`` as floats. Raises ArgumentTypeError."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def add_synth_arguments(p) -> None:
+    """llama-server's synthetic-acceptance flags (benchmarking only; ``p`` a parser or group)."""
+    p.add_argument("--spec-synth-rates", type=float_list, default=None, metavar="P0,P1,...",
+                   help="benchmarking only: accept draft position i with unconditional probability Pi whatever "
+                        "the target says (--spec-draft-n-max values, non-increasing); the output is NOT the "
+                        "model's. The drafting depth is then fixed at --spec-draft-n-max")
+    p.add_argument("--spec-synth-len", type=float, default=None, metavar="L",
+                   help="benchmarking only: as --spec-synth-rates with every position accepted at the rate "
+                        "that gives a mean acceptance length of L tokens (the target's own included)")
 
 
 def add_suffix_arguments(p) -> None:

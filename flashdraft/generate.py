@@ -14,6 +14,7 @@ forward, the server's parallel slots step several with one packed forward
 from __future__ import annotations
 
 import copy
+import random
 import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
@@ -26,6 +27,7 @@ from flashdraft.drafters.base import Drafter, NoDrafter
 from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
+from flashdraft.synthetic import verify_synthetic
 from flashdraft.targets.torch import Target
 
 
@@ -197,6 +199,24 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptProgress:
+    """llama-server's ``prompt_progress``: how far the prefill of a prompt has come.
+
+    ``total``: prompt tokens; ``cache``: those the prompt cache held (not prefilled);
+    ``processed``: those whose K/V the target cache holds now (``cache <= processed <=
+    total``); ``time_ms``: milliseconds since the prefill began.
+    """
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
+
+
+@dataclass
 class Step:
     """One increment of output.
 
@@ -205,6 +225,9 @@ class Step:
     ``logprobs``: one :class:`TokenLogprob` per token of ``token_ids`` when asked for (``n_probs``).
     ``progress``: the timings so far, a copy taken at this step (llama-server's
     ``timings_per_token`` streams them with every chunk).
+    ``prompt_progress``: set when the request asked for it (``return_progress``): on the
+    step before the first forward, on each prefill chunk (no text, no tokens) and on the
+    first token's step (``processed == total``).
     """
 
     text: str
@@ -213,6 +236,12 @@ class Step:
     timings: Timings | None = None
     logprobs: list[TokenLogprob] | None = None
     progress: Timings | None = None
+    prompt_progress: PromptProgress | None = None
+
+    @property
+    def only_progress(self) -> bool:
+        """A prefill report with no output (the stream sends it as llama-server's progress chunk)."""
+        return self.prompt_progress is not None and not self.token_ids and self.finish_reason is None
 
 
 @dataclass
@@ -240,6 +269,9 @@ class GenerationRequest:
             exactly the constrained target's; drafts are cut at the first refused token.
         client: who sent the request (:func:`flashdraft.drafters.suffix.client_key` of its API
             key, None = none): drafters that learn from past answers keep each client's apart.
+        return_progress: report the prefill's progress (:class:`PromptProgress` on the
+            steps, llama-server's ``return_progress``); the prompt is then prefilled in
+            chunks (the server's ``-b``) so there is progress to report between them.
     """
 
     prompt_ids: list[int]
@@ -254,6 +286,7 @@ class GenerationRequest:
     post_sampling_probs: bool = False
     constraint: object = None
     client: str | None = None
+    return_progress: bool = False
 
 
 class SpeculativeGenerator:
@@ -270,11 +303,20 @@ class SpeculativeGenerator:
             chooses how many tokens to draft, so outputs stay lossless.
         kv: the target's KV cache types (``--cache-type-k/-v``, :mod:`flashdraft.kv_cache`);
             None = plain cache in the model's dtype.
+        synth_accept: benchmarking only: ``[n_draft]`` conditional probabilities with which
+            each draft position is accepted whatever the target says
+            (:mod:`flashdraft.synthetic`; the output is then not the model's). None = real verify.
+        reproducible_seeds: a seeded request at T > 0 gets plain decoding's tokens for its
+            seed, drafting or not (drafts are the drafter's argmax, as llama-server's); False:
+            drafts are sampled whatever the seed (Leviathan's rule; the same distribution).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
-                 n_draft: int = 16, controller: ProfitController | None = None, kv: KVCacheSpec | None = None):
+                 n_draft: int = 16, controller: ProfitController | None = None, kv: KVCacheSpec | None = None,
+                 synth_accept: list[float] | None = None, reproducible_seeds: bool = True):
         self.target = target
+        self.synth_accept = synth_accept
+        self.reproducible_seeds = reproducible_seeds
         self.drafter = drafter or NoDrafter()
         self.ctx_size = ctx_size
         self.n_draft = n_draft
@@ -306,7 +348,8 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def generate(self, request: GenerationRequest | list[int], *args,
-                 cancelled: Callable[[], bool] | None = None, **kw) -> Iterator[Step]:
+                 cancelled: Callable[[], bool] | None = None, prefill_chunk: int | None = None,
+                 **kw) -> Iterator[Step]:
         """Answer ``request``; yields :class:`Step`, the last with ``finish_reason`` set.
 
         One :class:`Sequence` stepped on its own: each step is one target forward (the
@@ -320,18 +363,26 @@ class SpeculativeGenerator:
         longest common prefix (multi-turn chat then prefills the new turn only). Whatever
         the flag, a call that ends (finished or cancelled) leaves its caches there.
 
+        ``prefill_chunk``: most prompt tokens per prefill forward (None = the whole prompt
+        in one). Between chunks the call may be cancelled, and a cancelled prefill leaves
+        the part it did as the prompt cache, so the same prompt sent again starts there.
+
         Raises:
             ContextOverflowError: prompt too long for ``ctx_size``.
             ValueError: ``max_tokens < 1`` or an empty prompt.
-            Cancelled: when ``cancelled()`` turns True (checked once per verify step).
+            Cancelled: when ``cancelled()`` turns True (checked before each forward after
+                the first).
         """
         if not isinstance(request, GenerationRequest):
             request = GenerationRequest(request, *args, **kw)
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
         seq = Sequence(self, request, reuse=cached)
         cached = None  # the sequence owns the reused cache now; a dropped one is freed at once
+        seq.prefill_chunk = prefill_chunk
+        if request.return_progress:  # before any forward: llama-server's 0% report
+            yield seq.progress_step()
         while not seq.done:
-            if seq.prefilled and cancelled is not None and cancelled():
+            if seq.started and cancelled is not None and cancelled():
                 self.prompt_cache = seq.leftover()  # between steps: caches and drafter agree
                 raise Cancelled()
             logits, features = self.target.forward(*seq.prepare())
@@ -380,6 +431,15 @@ class Sequence:
         self.controller = generator.controller if controller is None else controller
         self.drafting = not isinstance(self.drafter, NoDrafter)
         self.gen = params.make_generator(target.device)  # sampled where the logits are
+        # a seeded request at T > 0 gets plain decoding's tokens for its seed, drafting or not
+        # (llama-server's rule): the drafter proposes its argmax, drawing nothing from the
+        # request's stream, and verify samples the target in order (verify_sampling). Unseeded,
+        # drafts are sampled and checked by Leviathan's rule, which accepts more of a flat
+        # distribution; both give exactly the target's distribution
+        seeded = params.seed is not None and generator.reproducible_seeds
+        self.draft_params = SamplingParams() if seeded and not params.greedy else params
+        self.synth = generator.synth_accept
+        self.coin = random.Random(params.seed) if self.synth is not None else None
         self.eos = set() if r.ignore_eos else target.eos_token_ids
         self.stream = TextStream(target.decode, r.stop)
         # committed ids (the last: the anchor), host-side: stops, prompt lookup and the
@@ -425,13 +485,35 @@ class Sequence:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def started(self) -> bool:
+        """Whether a forward of this sequence has run (the first prefill chunk at least)."""
+        return self.prefilled or self._prefill_at > self.n_cached
+
     def leftover(self) -> PromptCache | None:
         """The caches for the next request of this drafter; call between steps only (after
-        a ``finish``), when the target cache holds exactly ``tokens[:-1]``. None before the
-        prefill."""
+        a ``finish``), when the target cache holds exactly ``tokens[:-1]``, or, part way
+        through a chunked prefill, the prompt's first chunks. None when it holds nothing."""
         if not self.prefilled:
-            return None
+            if self._prefill_at == 0:
+                return None
+            return PromptCache(self.tokens[: self._prefill_at].tolist(), self.cache)
         return PromptCache(self.tokens[:-1].tolist(), self.cache)
+
+    def progress_step(self) -> Step:
+        """A step with no output that reports the prefill so far (:class:`PromptProgress`),
+        with timings whose ``prompt_n`` / ``prompt_ms`` count what was prefilled."""
+        return Step("", [], progress=self._prefill_timings(), prompt_progress=self._prompt_progress())
+
+    def _prompt_progress(self) -> PromptProgress:
+        elapsed = time.perf_counter() - self._t0 if self.started else 0.0
+        return PromptProgress(self.n_prompt, self.n_cached, self._prefill_at, int(1e3 * elapsed))
+
+    def _prefill_timings(self) -> Timings:
+        t = copy.copy(self.t)
+        t.prompt_n = self._prefill_at - self.n_cached
+        t.prompt_ms = 1e3 * (time.perf_counter() - self._t0) if self.started else 0.0
+        return t
 
     def prepare(self) -> tuple[torch.Tensor, object, int]:
         """This step's target input: ``(token_ids [T], cache, logits_from)`` for ``Target.forward``."""
@@ -456,7 +538,8 @@ class Sequence:
         # the constraint goes only to drafters of a constrained request: a drafter written
         # against the older four-argument propose() keeps working everywhere else
         extra = {} if self.constraint is None else {"constraint": self.constraint}
-        self._draft = self.drafter.propose(self.tokens, room, self.params, self.gen, **extra) if room > 0 else None
+        self._draft = (self.drafter.propose(self.tokens, room, self.draft_params, self.gen, **extra)
+                       if room > 0 else None)
         t.draft_ms += 1e3 * (time.perf_counter() - self._t0)
         self._drafts = (self._draft.tokens[:room] if self._draft is not None
                         else torch.empty(0, dtype=torch.long, device=HOST))
@@ -476,7 +559,7 @@ class Sequence:
             n, self._chunk = self._chunk, 0
             self._prefill_at += n
             self.drafter.commit(self._prefill_at, features)
-            return Step("", [])
+            return self.progress_step() if self.request.return_progress else Step("", [])
         if self.bias is not None:  # before the first read: every rule sees the biased target
             ids, values = self.bias
             logits[:, ids] += values
@@ -498,6 +581,7 @@ class Sequence:
         # the first token; the prompt's features become the drafter's context
         first = choose_token(logits[-1], self.params, self.gen)
         self.drafter.commit(self.tokens.shape[0], features)
+        self._prefill_at = self.tokens.shape[0]
         self.tokens = torch.cat([self.tokens, torch.tensor([first], device=HOST)])
         self.prefilled = True
         self._t1 = time.perf_counter()
@@ -506,15 +590,20 @@ class Sequence:
         finish, kept, _ = _emit(self.stream, [first], self.eos, self.max_tokens, t)
         t.n_steps = 1
         self.finish_reason = finish
+        report = None
+        if self.request.return_progress:  # the whole prompt is in: the 100% report
+            report = PromptProgress(self.n_prompt, self.n_cached, self.n_prompt, int(t.prompt_ms))
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
-                    progress=copy.copy(t))
+                    progress=copy.copy(t), prompt_progress=report)
 
     def _finish_verify(self, logits: torch.Tensor, features: torch.Tensor | None) -> Step:
         t, drafts, draft, params = self.t, self._drafts, self._draft, self.params
         n = drafts.shape[0]
         # accept the longest prefix equal to the target's argmax (T=0) or by speculative
         # sampling (T>0); logits are [n+1, V]
-        if params.greedy:
+        if self.synth is not None:  # benchmarking: a coin accepts, not the target
+            n_acc, bonus = verify_synthetic(drafts, logits, params, self.gen, self.synth, self.coin, self.eos)
+        elif params.greedy:
             n_acc, bonus = verify_greedy(drafts, logits)
         else:
             q = draft.probs[:n] if draft is not None and draft.probs is not None else None

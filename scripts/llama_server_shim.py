@@ -12,6 +12,9 @@ harness's SIGTERM reaches the server directly):
   ``-hf/-hfr/--hf-repo``, ``-hff/--hf-file``, ``-hft/--hf-token``,
   ``-hfd/-hfrd/--hf-repo-draft/--spec-draft-hf``, ``-hffd/--hf-file-draft``,
   ``-dr/--docker-repo``;
+- a draft model the test names (``-md``, with ``--spec-type draft-simple`` or none) becomes
+  the packaged model's shipped DFlash drafter (``--spec-type dflash``): a test that drafts
+  with a small model of its own still drafts, with the drafter this model has;
 - ``-t 1`` is put first (``$FLASHDRAFT_SHIM_THREADS`` changes it; a ``--threads`` the
   test gives comes later and wins);
 - every other flag is passed through unchanged, except that the values of flags naming a
@@ -41,6 +44,9 @@ MODEL_FLAGS = {
     "-dr", "--docker-repo",
 }
 
+#: the draft-model flags among them: the test drafts, so the stand-in does too
+DRAFT_FLAGS = {"-md", "--model-draft", "--spec-draft-model", "-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"}
+
 #: flags whose value is a path (relative to the test's cwd): made absolute
 PATH_FLAGS = {
     "--chat-template-file", "--api-key-file", "--log-file", "--slot-save-path", "--media-path",
@@ -54,11 +60,13 @@ PATH_FLAGS = {
 def translate(argv: list[str], cwd: str) -> list[str]:
     """The flashdraft arguments for a llama-server argument list."""
     out = ["-t", os.environ.get("FLASHDRAFT_SHIM_THREADS", "1")]
+    drafts = False
     i = 0
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
         if name in MODEL_FLAGS:
+            drafts = drafts or name in DRAFT_FLAGS
             i += 1 if eq else 2
             continue
         if name in PATH_FLAGS:
@@ -73,7 +81,23 @@ def translate(argv: list[str], cwd: str) -> list[str]:
             continue
         out.append(arg)
         i += 1
+    if drafts:
+        out = _draft_with_dflash(out)
     return out
+
+
+def _draft_with_dflash(args: list[str]) -> list[str]:
+    """``--spec-type draft-simple`` (or none given) -> ``dflash``: the dropped draft model's
+    stand-in is the shipped drafter. Other methods the test names stay as they are."""
+    for i, arg in enumerate(args):
+        if arg == "--spec-type" and i + 1 < len(args):
+            if args[i + 1] in ("draft-simple", "draft"):
+                return args[: i + 1] + ["dflash"] + args[i + 2:]
+            return args
+        if arg.startswith("--spec-type="):
+            return args if arg.split("=", 1)[1] not in ("draft-simple", "draft") else \
+                args[:i] + ["--spec-type=dflash"] + args[i + 1:]
+    return args + ["--spec-type", "dflash"]
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from flashdraft.server.state import CorsSettings
 LLAMA_ONLY = ("--no-jinja --no-slots --offline --verbose --chat-template chatml --chat-template-file {tpl} "
               "--context-shift --no-ui --tags a,b --cors-origins http://a.test --tools all --ui-mcp-proxy "
               "--media-path /tmp --backend_sampling --embedding --reranking --pooling mean --slot-save-path /tmp "
-              "--swa-full --models-max 4 --no-models-autoload --spec-synth-rates 0.8,0.6 --no-webui")
+              "--swa-full --models-max 4 --no-models-autoload --no-webui")
 
 
 def test_llama_server_flags_parse_and_take_effect(tmp_path):
@@ -34,7 +34,7 @@ def test_llama_server_flags_parse_and_take_effect(tmp_path):
     assert set(ignored_flags(args)) == {
         "--offline", "--context-shift", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
         "--backend_sampling", "--embedding", "--reranking", "--pooling mean", "--slot-save-path /tmp",
-        "--swa-full", "--models-max 4", "--no-models-autoload", "--spec-synth-rates 0.8,0.6"}
+        "--swa-full", "--models-max 4", "--no-models-autoload"}
     assert settings_from_args(build_parser().parse_args(["--no-jinja"])).chat_template == ("builtin", None)
     assert settings_from_args(build_parser().parse_args(["--chat-template", "llama3"])).chat_template == (
         "builtin", "llama3")

@@ -97,10 +97,12 @@ def test_speculative_sampling_matches_target_distribution(kind):
         "ar": lambda: ARDrafter(ar_from_target(target.model, 1, use_features=True, d2t=torch.arange(0, VOCAB, 2)),
                                 target.embed_tokens.weight, VOCAB),
     }[kind]()
-    gen = SpeculativeGenerator(target, drafter, n_draft=3)
-    torch.manual_seed(0)
-    # a drafter that is sometimes right and sometimes wrong exercises both paths
-    assert_sampled_marginals(gen, target, prompt, params, mixed_acceptance=kind != "ngram")
+    # sampled drafts (Leviathan's rule), then a seed's argmax drafts (plain decoding's tokens)
+    for reproducible in (False, True):
+        gen = SpeculativeGenerator(target, drafter, n_draft=3, reproducible_seeds=reproducible)
+        torch.manual_seed(0)
+        # a drafter that is sometimes right and sometimes wrong exercises both paths
+        assert_sampled_marginals(gen, target, prompt, params, mixed_acceptance=kind != "ngram")
 
 
 def assert_sampled_marginals(gen, target, prompt: list[int], params: SamplingParams,
@@ -146,16 +148,21 @@ def test_a_seed_gives_the_same_tokens_with_drafting_on_and_off():
     hotter T too so drafts are rejected as well: a deterministic draft (prompt lookup, what
     ``make serve`` runs) is checked with one target sample per emitted token, so the random
     stream does not depend on drafting. (DFlash and AR drafters sample their drafts at T > 0
-    and keep Leviathan's rule: the same distribution, not the same tokens.)"""
+    and keep Leviathan's rule: the same distribution, not the same tokens.) A sampling drafter
+    (DFlash, a draft model) proposes its argmax for a seeded request, so it gives plain
+    decoding's tokens too."""
     target = tiny_target("llama", seed=1, layers=2, hidden=32)
-    drafter = NgramDrafter()
-    plain, spec = SpeculativeGenerator(target, None, n_draft=0), SpeculativeGenerator(target, drafter, n_draft=4)
+    plain = SpeculativeGenerator(target, None, n_draft=0)
     prompt = [3, 14, 15, 3, 14, 15, 3, 14]
-    drafted = accepted = 0
-    for seed, temperature in [(4242, 0.2), (4242, 1.0), (7, 1.0), (8, 0.7)]:
-        params = SamplingParams(temperature=temperature, top_k=5, seed=seed)
-        want = generate_text(plain, prompt, 24, params, ignore_eos=True)[1]
-        got, stats = generate_text(spec, prompt, 24, params, ignore_eos=True)[1::2]
-        assert got == want, (seed, temperature)
-        drafted, accepted = drafted + stats.draft_n, accepted + stats.draft_n_accepted
-    assert 0 < accepted < drafted  # some drafts accepted and some rejected
+    for drafter in (NgramDrafter(), DFlashDrafter(random_dflash_model(target.model, 1, 4), target.embed_tokens,
+                                                  target.lm_head),
+                    DraftModelDrafter(tiny_model("llama", seed=9, layers=2, hidden=32), VOCAB)):
+        spec = SpeculativeGenerator(target, drafter, n_draft=4)
+        drafted = accepted = 0
+        for seed, temperature in [(4242, 0.2), (4242, 1.0), (7, 1.0), (8, 0.7)]:
+            params = SamplingParams(temperature=temperature, top_k=5, seed=seed)
+            want = generate_text(plain, prompt, 24, params, ignore_eos=True)[1]
+            got, stats = generate_text(spec, prompt, 24, params, ignore_eos=True)[1::2]
+            assert got == want, (drafter.name, seed, temperature)
+            drafted, accepted = drafted + stats.draft_n, accepted + stats.draft_n_accepted
+        assert 0 < accepted < drafted, drafter.name  # some drafts accepted and some rejected

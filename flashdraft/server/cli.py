@@ -22,7 +22,7 @@ from flashdraft.argtypes import non_negative_int, positive_int
 from flashdraft.device import add_device_argument
 from flashdraft.engine import SPEC_TYPES, EngineConfig, resolve_ctx_size
 from flashdraft.flags import (WEIGHTS_CHOICES, WEIGHTS_HELP, HelpFormatter, add_backend_argument, add_cache_arguments,
-                              add_drafter_arguments, add_suffix_arguments)
+                              add_drafter_arguments, add_suffix_arguments, add_synth_arguments)
 from flashdraft.server import limits, llama_flags
 
 log = logging.getLogger("flashdraft.server")
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--spec-dflash-cross-ctx", type=positive_int, default=None, metavar="N",
                    help="the DFlash drafter attends to at most the N most recent target positions")
     add_drafter_arguments(m)
+    add_synth_arguments(m)
     add_suffix_arguments(m)
     m.add_argument("-c", "--ctx-size", type=non_negative_int, default=0,
                    help="context size in tokens, prompt + output, split across the -np slots; 0 = the model's "
@@ -103,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with -np > 1, most prompt tokens one packed step prefills for a slot: a longer "
                         "prompt is prefilled over several steps and the other slots keep answering in "
                         "between (llama-server's logical batch; its default is 2048, ours is smaller "
-                        "because a CPU prefills ~250 tokens/s) (default: 256)")
+                        "because a CPU prefills ~250 tokens/s); with one slot, the chunk a stream with "
+                        "return_progress reports after (default: 256)")
     h.add_argument("-ub", "--ubatch-size", type=positive_int, default=None,
                    help="llama backend: prompt rows per llama.cpp decode. The default (48) keeps every "
                         "row computed as a one-token step is, so a cached prompt answers as the same "

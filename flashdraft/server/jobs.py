@@ -116,7 +116,8 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
                              cache_prompt=settings.cache_prompt if s.cache_prompt is None else s.cache_prompt,
                              logit_bias=logit_bias(req, state), n_probs=req.n_probs,
                              post_sampling_probs=s.post_sampling_probs,
-                             constraint=constraint(req, state, constraint_spec), client=req.client)
+                             constraint=constraint(req, state, constraint_spec), client=req.client,
+                             return_progress=req.stream and req.return_progress)
 
 
 def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):

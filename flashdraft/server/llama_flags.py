@@ -116,8 +116,6 @@ IGNORED = """
 --verbosity -lv --log-verbosity : v
 --offline : b
 --backend-sampling --backend_sampling -bs : b
---spec-synth-len : v
---spec-synth-rates : v
 --reuse-port : b
 --path : v
 --api-prefix : v

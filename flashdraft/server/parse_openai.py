@@ -32,7 +32,8 @@ def common(api: str, req: SamplingFields, **fields) -> GenRequest:
                         post_sampling_probs=req.post_sampling_probs)
     return GenRequest(api=api, model=req.model, stream=req.stream, sampling=sampling, stop=req.stop_list(),
                       logit_bias=bias_entries(req.logit_bias), constraint=constraint, constraint_param=param,
-                      extra=dict(req.model_extra or {}), timings_per_token=req.timings_per_token, wire=req,
+                      extra=dict(req.model_extra or {}), timings_per_token=req.timings_per_token,
+                      return_progress=req.return_progress, wire=req,
                       **fields)
 
 

@@ -58,6 +58,8 @@ class ResponsesRequest(_Strict):
     store: bool | None = None
     #: llama-server's: every streamed event carries the timings so far
     timings_per_token: bool = False
+    #: llama-server's: a stream reports the prefill's progress (``prompt_progress`` events)
+    return_progress: bool = False
 
 
 def responses(body: bytes) -> GenRequest:
@@ -81,7 +83,8 @@ def responses(body: bytes) -> GenRequest:
                       max_tokens=req.max_output_tokens, limit_param="max_output_tokens", stream=req.stream,
                       sampling=Sampling(temperature=req.temperature, top_p=req.top_p), tools=tools_of(req),
                       constraint=text_format(req.text), constraint_param="text.format",
-                      timings_per_token=req.timings_per_token, extra=extra, wire=req)
+                      timings_per_token=req.timings_per_token, return_progress=req.return_progress,
+                      extra=extra, wire=req)
 
 
 def _harmless(name: str, value: object) -> bool:

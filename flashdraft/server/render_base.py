@@ -106,6 +106,11 @@ class StreamFormat:
         """Event for a step that is not the last (None = nothing to send)."""
         raise NotImplementedError
 
+    def progress(self, step: Step) -> bytes | None:
+        """Event for a step's ``prompt_progress`` (llama-server's ``return_progress``: the
+        chunk carries ``prompt_progress`` and no text); None = this API sends none."""
+        return None
+
     def end(self, step: Step, c: Completion) -> list[bytes]:
         """Events for the last step, given the whole completion."""
         raise NotImplementedError

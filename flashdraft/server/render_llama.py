@@ -56,6 +56,11 @@ class LlamaStream(StreamFormat):
     def _probs(self, step: Step) -> dict:
         return {"completion_probabilities": self.logprobs.llama(step.logprobs or [])} if self.logprobs else {}
 
+    def progress(self, step: Step) -> bytes | None:
+        chunk = {"content": "", "tokens": [], "stop": False, "id_slot": 0,
+                 "prompt_progress": step.prompt_progress.to_dict()}
+        return sse(self.tag(chunk, step))
+
     def delta(self, step: Step) -> bytes | None:
         if not (step.text or step.token_ids):
             return None

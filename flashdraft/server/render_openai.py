@@ -110,6 +110,11 @@ class ChatStream(StreamFormat):
     def start(self, first: Step | None = None) -> list[bytes]:
         return [sse(chat_chunk(self.meta, {"role": "assistant", "content": None}))]
 
+    def progress(self, step: Step) -> bytes | None:
+        # llama-server repeats the opening delta with each report
+        chunk = chat_chunk(self.meta, {"role": "assistant", "content": None})
+        return sse(self.tag({**chunk, "prompt_progress": step.prompt_progress.to_dict()}, step))
+
     def delta(self, step: Step) -> bytes | None:
         holding = not self.sniffer.decided or self.sniffer.calling
         text = self.sniffer.feed(step.text)
@@ -181,6 +186,10 @@ class CompletionStream(StreamFormat):
 
     def __init__(self, meta: ResponseMeta, ctx: RenderContext, logprobs: Logprobs | None):
         self.meta, self.ctx, self.logprobs, self.offset = meta, ctx, logprobs, 0
+
+    def progress(self, step: Step) -> bytes | None:
+        chunk = completion_chunk(self.meta, "")
+        return sse(self.tag({**chunk, "prompt_progress": step.prompt_progress.to_dict()}, step))
 
     def delta(self, step: Step) -> bytes | None:
         lps = None

@@ -131,6 +131,12 @@ class ResponsesStream(StreamFormat):
             return b"".join(self.start())
         return self.event({"type": "response.in_progress", "response": self.r.response([], None, "in_progress")})
 
+    def progress(self, step: Step) -> bytes | None:
+        """A ``response.in_progress`` event carrying ``prompt_progress``, as llama-server's."""
+        event = {"type": "response.in_progress", "response": self.r.response([], None, "in_progress"),
+                 "prompt_progress": step.prompt_progress.to_dict()}
+        return self.event(event, step)
+
     def _text(self, text: str, step: Step | None = None) -> list[bytes]:
         out, where = [], {"item_id": self.r.msg_id, "output_index": 0, "content_index": 0}
         if not self.text_open:

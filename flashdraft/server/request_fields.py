@@ -29,7 +29,7 @@ NEUTRAL: dict[str, tuple] = {
     "tfs_z": (1,), "top_a": (0,), "mirostat": (0,), "dry_multiplier": (0,), "xtc_probability": (0,),
     "top_n_sigma": (-1, 0), "dynatemp_range": (0,), "n_cmpl": (1,), "n_indent": (0,),
     "t_max_predict_ms": (0,),
-    "return_progress": (False,), "lora": ([],), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "lora": ([],), "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
     "web_search_options": (None,), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),

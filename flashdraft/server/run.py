@@ -166,6 +166,11 @@ async def _sse_body(ticket: Ticket, first: Step | AsyncIterator[bytes | Step], e
             yield event
         step = first
         while True:
+            if step.prompt_progress is not None and (event := fmt.progress(step)) is not None:
+                yield event
+            if step.only_progress:
+                step = await anext(events)
+                continue
             parts.append(step.text)
             c.token_ids.extend(step.token_ids)
             if step.finish_reason is not None:

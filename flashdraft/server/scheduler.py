@@ -119,8 +119,10 @@ class Scheduler:
         generator: the loaded speculative generator.
         metrics: counters to update, or None.
         n_slots: requests decoded together (``-np``); 1 = one at a time.
-        prefill_chunk: with ``n_slots`` > 1, most prompt tokens a slot prefills per packed
-            step (``-b``; None = whole prompts, which stall the other slots meanwhile).
+        prefill_chunk: most prompt tokens a prefill forward takes (``-b``; None = whole
+            prompts). With ``n_slots`` > 1 every prompt is chunked, so a long one does not
+            stall the other slots; with one slot only a request that asks for
+            ``return_progress`` is (there is no other slot to wait, and no chunk to report).
     Raises:
         ValueError: ``n_slots < 1`` or ``prefill_chunk < 1``.
     """
@@ -284,8 +286,10 @@ class Scheduler:
             return ticket.cancelled or self._past_deadline()
 
         try:
-            for step in self.generator.generate(job, cancelled=stopped):
-                if self.metrics:
+            chunk = self.prefill_chunk if job.return_progress else None
+            for step in self.generator.generate(job, cancelled=stopped, prefill_chunk=chunk):
+                p = step.prompt_progress  # the 0% report comes before any forward
+                if self.metrics and not (step.only_progress and p.processed == p.cache):
                     self.metrics.observe_decode(1)
                 if step.finish_reason is not None:
                     if self.metrics and step.timings is not None:
@@ -337,8 +341,8 @@ class Scheduler:
                 if slot.seq.done:  # out of the running count before the client gets its answer
                     self._end(slot, result)
                     continue
-                if not slot.seq.prefilled:  # a chunk of a long prompt: nothing to hand out yet
-                    continue
+                if not slot.seq.prefilled and result.prompt_progress is None:
+                    continue  # a chunk of a long prompt: nothing to hand out yet
                 if not ticket.channel.put(result):
                     ticket.cancel()
                 slot.delivered = True
@@ -369,6 +373,8 @@ class Scheduler:
                 continue
             free.remove(slot)
             slot.owner = ticket
+            if job.return_progress:  # before any forward: llama-server's 0% report
+                ticket.channel.put(slot.seq.progress_step())
             self._running.add(ticket)
             if self.metrics:
                 self.metrics.processing.inc()

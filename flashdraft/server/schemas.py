@@ -73,6 +73,8 @@ class SamplingFields(_Strict):
     response_format: dict | None = None
     #: llama-server: every streamed chunk carries the timings so far
     timings_per_token: bool = False
+    #: llama-server: a stream reports the prefill's progress (``prompt_progress`` chunks)
+    return_progress: bool = False
     #: llama-server: probabilities from the sampling distribution (after temperature and
     #: the top-k / top-p / min-p filters) instead of the full softmax
     post_sampling_probs: bool = False

@@ -62,7 +62,8 @@ class ServerSettings:
         reasoning: ``on`` | ``off`` | ``auto``: ``enable_thinking`` for chat templates.
         n_parallel: ``-np``: requests decoded together (one packed target forward per step).
         batch_size: ``-b``: with ``-np`` > 1, most prompt tokens a slot prefills in one packed
-            step (a longer prompt takes several, and the other slots step in between).
+            step (a longer prompt takes several, and the other slots step in between); with
+            one slot, the prefill chunk of a request that asks for ``return_progress``.
         limits: the ``--max-*`` limits (:class:`~flashdraft.server.limits.Limits`).
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
