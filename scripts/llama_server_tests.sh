@@ -38,6 +38,7 @@
 # (tools/server/tests/unit/conftest.py; no upstream file is edited):
 #   - the session fixture load_server_presets (starts every preset once to download its
 #     model) is replaced by a no-op: there is no model hub here, and each start costs ~40 s;
+#     download_file (a test's extra model file) leaves an empty placeholder instead;
 #   - ServerProcess.start's default timeout 60 s is raised to $LCPP_START_TIMEOUT: the
 #     model loads in 20-40 s on a 2-core machine, more when the machine is busy;
 #   - ServerProcess.make_request returns its headers in a case-insensitive dict (HTTP
@@ -118,6 +119,18 @@ def _case_insensitive_headers(self, *args, **kwargs):
 
 
 utils.ServerProcess.make_request = _case_insensitive_headers
+
+
+# no downloads: a test's extra model file (test_speculative.py's draft model) is an empty
+# placeholder, as the shim drops model-file flags (a draft model becomes the shipped drafter)
+def _no_download(url, output_file_path=None):
+    path = output_file_path or "./tmp/" + url.split("/")[-1]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    open(path, "a").close()
+    return path
+
+
+utils.download_file = _no_download
 
 
 @pytest.fixture(scope="session", autouse=True)
