@@ -102,6 +102,9 @@ def start(generator: SpeculativeGenerator, slot: Slot, request: GenerationReques
         ContextOverflowError / ValueError: as :class:`~flashdraft.generate.Sequence`; the slot stays free.
     """
     cached, slot.prompt_cache = slot.prompt_cache, None  # the new sequence owns (or drops) it
+    if generator.prompt_store is not None:  # save what this request would overwrite; load a better match
+        cached = generator.prompt_store.swap(cached, request.prompt_ids, generator.target, slot.drafter,
+                                             reuse=request.cache_prompt)
     slot.seq = Sequence(generator, request, drafter=slot.drafter, controller=slot.controller, reuse=cached)
     slot.seq.prefill_chunk = prefill_chunk
     slot.delivered = False

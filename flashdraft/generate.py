@@ -326,6 +326,9 @@ class SpeculativeGenerator:
         #: left by the last :meth:`generate` for the next one (the generator's drafter holds
         #: the matching context); None after a failure
         self.prompt_cache: PromptCache | None = None
+        #: host-RAM copies of earlier prompt caches (:class:`flashdraft.prompt_store.PromptStore`,
+        #: the server's ``--cache-ram``); None = only the last one is kept
+        self.prompt_store = None
 
     @property
     def drafting(self) -> bool:
@@ -376,6 +379,9 @@ class SpeculativeGenerator:
         if not isinstance(request, GenerationRequest):
             request = GenerationRequest(request, *args, **kw)
         cached, self.prompt_cache = self.prompt_cache, None  # a failure below leaves none
+        if self.prompt_store is not None:  # save what this request would overwrite; load a better match
+            cached = self.prompt_store.swap(cached, request.prompt_ids, self.target, self.drafter,
+                                            reuse=request.cache_prompt)
         seq = Sequence(self, request, reuse=cached)
         cached = None  # the sequence owns the reused cache now; a dropped one is freed at once
         seq.prefill_chunk = prefill_chunk

@@ -340,3 +340,23 @@ def test_n_tokens_max_is_declared_a_counter_as_in_llama_server():
         text = httpx.get(url + "/metrics").text
         assert "# TYPE llamacpp:n_tokens_max counter" in text
         assert metric_values(url)["llamacpp:n_tokens_max"] >= 3  # 2 prompt tokens + the answer
+
+
+def test_per_request_speculative_settings():
+    """llama-server's ``speculative.n_max`` caps the draft tokens per step (at the server's);
+    ``speculative.n_min`` / ``p_min`` are accepted (verification keeps the answer whatever is
+    drafted); out-of-range values are a 400 naming the field."""
+    prompt = " ".join(["t5 t9 t17 t3"] * 6)
+    with serve(new_generator()) as url:
+        def ask(**extra):
+            r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 24, "temperature": 0, **extra})
+            return r.status_code, r.json()
+        code, plain = ask()
+        assert code == 200 and plain["timings"]["draft_n"] > 0
+        code, one = ask(**{"speculative.n_max": 1, "speculative.n_min": 0, "speculative.p_min": 0.0})
+        assert code == 200 and one["content"] == plain["content"]
+        assert one["timings"]["draft_depth"] <= 1.0 < plain["timings"]["draft_depth"]
+        code, none = ask(**{"speculative.n_max": 0})
+        assert code == 200 and none["timings"]["draft_n"] == 0 and none["content"] == plain["content"]
+        code, bad = ask(**{"speculative.p_min": 2})
+        assert code == 400 and "speculative.p_min" in json.dumps(bad)

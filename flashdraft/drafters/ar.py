@@ -79,6 +79,10 @@ class ARDrafter(Drafter):
                 self.cache.crop(-extra)
         self.trusted = min(self.trusted, n)
 
+    def save_context(self) -> object:
+        # its states come from the target's features of each position: not kept off the slot
+        raise NotImplementedError("the AR drafter's context is not saved to the prompt store")
+
     def rewind(self, n_context: int) -> int:
         self._crop(n_context)
         self.states = self.states[:n_context]

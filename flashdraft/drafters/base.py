@@ -77,6 +77,23 @@ class Drafter:
         self.reset()
         return n_context
 
+    def save_context(self) -> object:
+        """A copy of this drafter's per-sequence context state (what :meth:`rewind` keeps),
+        for the host-RAM prompt store (:mod:`flashdraft.prompt_store`); this one stays as it
+        is. This default suits drafters whose context comes from the token ids alone
+        (prompt lookup, suffix, a draft model that catches up): None.
+
+        Raises:
+            NotImplementedError: the drafter's context cannot be saved (the store then keeps
+                nothing for it).
+        """
+        return None
+
+    def load_context(self, state: object) -> None:
+        """Make ``state`` (from :meth:`save_context`) this drafter's context; :meth:`rewind`
+        follows. This default forgets the previous sequence (its context comes from the ids)."""
+        self.reset()
+
     def fork(self) -> "Drafter":
         """A drafter for another concurrent sequence (a server slot): a shallow copy that
         shares this one's weights and settings, with its own per-sequence state.

@@ -11,6 +11,8 @@ layout so ``state_dict()`` *is* the checkpoint.
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import torch
@@ -523,6 +525,12 @@ class DFlashDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache = ContextKVCache(*self._cache_shape, dtype=self.model.fc.weight.dtype, kv=self.kv, device=self.device)
+
+    def save_context(self) -> object:
+        return copy.deepcopy(self.cache)
+
+    def load_context(self, state: object) -> None:
+        self.cache = state
 
     def rewind(self, n_context: int) -> int:
         # the context cache holds K/V of positions 0..length-1: keeping a prefix is a length move

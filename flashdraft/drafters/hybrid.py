@@ -79,6 +79,13 @@ class HybridDrafter(Drafter):
         self._since_ngram = 0  # steps with an n-gram candidate that went to DFlash
         self._choice: tuple[int, str, Draft] | None = None  # (length of tokens, source, n-gram draft)
 
+    def save_context(self) -> object:
+        return self.dflash.save_context()
+
+    def load_context(self, state: object) -> None:
+        self.dflash.load_context(state)
+        self.ngram.reset()
+
     def rewind(self, n_context: int) -> int:
         self.ngram.reset()
         self._reset_stats()

@@ -126,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cache_prompt: false (default)")
     h.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
                    help="requests prefill their whole prompt unless they send cache_prompt: true")
+    h.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
+                   help="host RAM for copies of earlier prompt caches (llama-server's): a request that would "
+                        "overwrite most of a slot's cache saves it first, and a later request that matches a "
+                        "saved prompt better starts from it, so an agent's side request does not cost its "
+                        "conversation a full prefill, with one slot too; -1 = no limit, 0 = off (default: 8192)")
     h.add_argument("--cors-origins", default="*",
                    help="allowed CORS origins, comma-separated (default: *); 'localhost' allows http(s) origins on "
                         "localhost, 127.0.0.1 and [::1] at any port")
@@ -221,7 +226,7 @@ def settings_from_args(args: argparse.Namespace):
         seed=None if args.seed < 0 else args.seed, n_predict=args.n_predict, metrics=args.metrics,
         api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel,
         batch_size=args.batch_size, webui=args.webui,
-        slots_endpoint=args.slots, cache_prompt=args.cache_prompt, ignore_eos=args.ignore_eos,
+        slots_endpoint=args.slots, cache_prompt=args.cache_prompt, cache_ram_mib=args.cache_ram, ignore_eos=args.ignore_eos,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
         chat_template_kwargs=kwargs, verbose=args.verbose, sse_ping_interval=args.sse_ping_interval,
         limits=limits.from_args(args),

@@ -117,7 +117,8 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
                              logit_bias=logit_bias(req, state), n_probs=req.n_probs,
                              post_sampling_probs=s.post_sampling_probs,
                              constraint=constraint(req, state, constraint_spec), client=req.client,
-                             return_progress=req.stream and req.return_progress)
+                             return_progress=req.stream and req.return_progress,
+                             n_draft=None if req.n_draft is None else min(req.n_draft, gen.n_draft))
 
 
 def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):

@@ -28,7 +28,6 @@ IGNORED = """
 --kv-unified -kvu : b
 --no-kv-unified -no-kvu : b
 --kv-unified-per-slot : v
---cache-ram -cram : v
 --cache-idle-slots --no-cache-idle-slots : b
 --ctx-checkpoints -ctxcp --swa-checkpoints : v
 --checkpoint-min-step -cms : v

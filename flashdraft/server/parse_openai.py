@@ -33,7 +33,7 @@ def common(api: str, req: SamplingFields, **fields) -> GenRequest:
     return GenRequest(api=api, model=req.model, stream=req.stream, sampling=sampling, stop=req.stop_list(),
                       logit_bias=bias_entries(req.logit_bias), constraint=constraint, constraint_param=param,
                       extra=dict(req.model_extra or {}), timings_per_token=req.timings_per_token,
-                      return_progress=req.return_progress, wire=req,
+                      return_progress=req.return_progress, n_draft=req.spec_n_max, wire=req,
                       **fields)
 
 

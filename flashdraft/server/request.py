@@ -88,6 +88,7 @@ class GenRequest:
         extra: body fields no parser took: checked by :func:`.validate.check_extra_fields`.
         timings_per_token: llama-server's: every streamed event carries the timings so far.
         return_progress: llama-server's: a stream reports the prefill's progress.
+        n_draft: llama-server's ``speculative.n_max``: most draft tokens per step (None = the server's).
         verbose: llama-server's ``__verbose`` (the prompt as text) in a non-streamed answer.
         wire: the parsed body, for the renderer only (``response_fields``, ``return_tokens``...).
         client: the request's client, a hash of its API key (:mod:`.clients`; None = no
@@ -116,6 +117,7 @@ class GenRequest:
     extra: dict = field(default_factory=dict)
     timings_per_token: bool = False
     return_progress: bool = False
+    n_draft: int | None = None
     verbose: bool = False
     wire: object = None
     client: str | None = None

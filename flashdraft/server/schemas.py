@@ -75,6 +75,12 @@ class SamplingFields(_Strict):
     timings_per_token: bool = False
     #: llama-server: a stream reports the prefill's progress (``prompt_progress`` chunks)
     return_progress: bool = False
+    #: llama-server's per-request draft settings: ``n_max`` caps the draft tokens per step
+    #: (at the server's ``--spec-draft-n-max``); ``n_min`` and ``p_min`` tune how much is
+    #: drafted, which verification makes answer-neutral: accepted, the depth controller decides
+    spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
+    spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    spec_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
     #: llama-server: probabilities from the sampling distribution (after temperature and
     #: the top-k / top-p / min-p filters) instead of the full softmax
     post_sampling_probs: bool = False

@@ -10,6 +10,7 @@ from typing import Callable
 
 from flashdraft.constraints import TokenizerInfo
 from flashdraft.generate import GenerationRequest, SpeculativeGenerator
+from flashdraft.prompt_store import PromptStore
 from flashdraft.server.errors import APIError
 from flashdraft.server.limits import Limits, over
 from flashdraft.server.metrics import ServerMetrics
@@ -68,6 +69,8 @@ class ServerSettings:
         webui: serve the chat page at ``/`` (llama-server's ``--no-webui`` turns it off).
         slots_endpoint: serve ``GET /slots`` (``--no-slots`` turns it off).
         cache_prompt: the prompt cache for requests that do not say (``--no-cache-prompt``: off).
+        cache_ram_mib: ``--cache-ram``: MiB of host RAM for saved prompt caches
+            (:mod:`flashdraft.prompt_store`); -1 = no limit, 0 = none.
         ignore_eos: the default of the request field (``--ignore-eos``).
         chat_template_kwargs: template variables for every request (``--chat-template-kwargs``).
         cors: CORS answers for browsers on other origins.
@@ -103,6 +106,7 @@ class ServerSettings:
     slots_endpoint: bool = True
     chat_template: tuple = ("jinja", None)
     cache_prompt: bool = True
+    cache_ram_mib: int = 0
     ignore_eos: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
     cors: CorsSettings = field(default_factory=CorsSettings)
@@ -159,6 +163,9 @@ class ServerState:
     def set_ready(self, generator: SpeculativeGenerator) -> None:
         """Start the worker on ``generator`` and accept requests."""
         self.generator = generator
+        mib = self.settings.cache_ram_mib
+        if mib != 0 and generator.prompt_store is None and hasattr(generator.target, "save_cache"):
+            generator.prompt_store = PromptStore(None if mib < 0 else mib * 2**20)
         self.prompts = PromptBuilder(generator.target, self.settings.template_kwargs(), self.settings.chat_template)
         self.model_id = (self.settings.aliases() or [generator.target.name])[0]
         self.scheduler = Scheduler(generator, self.metrics, n_slots=self.settings.n_parallel,

@@ -99,6 +99,14 @@ class LlamaCache:
             target._release(self.seq_id)
 
 
+class CacheSnapshot:
+    """A sequence's K/V copied to host memory (:meth:`LlamaTarget.save_cache`): ``data``
+    (llama.cpp's sequence state), ``length`` positions, ``nbytes``."""
+
+    def __init__(self, data, length: int, nbytes: int):
+        self.data, self.length, self.nbytes = data, length, nbytes
+
+
 #: GGUF architectures whose llama.cpp graph (this vendored version) records each layer's input,
 #: so ``llama_get_embeddings_layer_inp`` can return DFlash context features; asking another
 #: graph for them aborts in ``llm_graph_result::set_outputs`` (e.g. ``gemma3``)
@@ -446,6 +454,41 @@ class LlamaTarget(TokenizerSide):
         cache.last_used = self._clock
         self._live[seq] = cache
         return cache
+
+    def save_cache(self, cache: LlamaCache) -> "CacheSnapshot":
+        """A host copy of ``cache``'s K/V (``llama_state_seq_get_data``); the cache stays as it is.
+
+        Raises:
+            RuntimeError: the cache was evicted, or llama.cpp wrote less than it sized.
+        """
+        if cache.seq_id is None:
+            raise RuntimeError("this cache was evicted (more live sequences than the context holds)")
+        api = self._b.api
+        size = int(api.llama_state_seq_get_size(self._ctx, cache.seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        if int(api.llama_state_seq_get_data(self._ctx, buf, size, cache.seq_id)) != size:
+            raise RuntimeError(f"llama.cpp did not copy the {size} bytes of sequence {cache.seq_id}")
+        return CacheSnapshot(buf, cache.length, size)
+
+    def load_cache(self, snapshot: "CacheSnapshot") -> LlamaCache:
+        """A new cache holding ``snapshot``'s K/V (``llama_state_seq_set_data``).
+
+        Raises:
+            RuntimeError: llama.cpp could not restore it (e.g. no room in the context).
+        """
+        cache = self.new_cache()
+        n = int(self._b.api.llama_state_seq_set_data(self._ctx, snapshot.data, snapshot.nbytes, cache.seq_id))
+        if n != snapshot.nbytes:
+            raise RuntimeError(f"llama.cpp restored {n} of {snapshot.nbytes} bytes of a saved prompt")
+        cache.length = snapshot.length
+        return cache
+
+    def free_cache(self, cache: LlamaCache) -> None:
+        """Give ``cache``'s sequence back now (it holds nothing after)."""
+        if cache.seq_id is not None:
+            seq = cache._evict()
+            self._live.pop(seq, None)
+            self._free_seqs.append(seq)
 
     def _seq_rm(self, seq: int, start: int) -> None:
         if not self._b.api.llama_memory_seq_rm(self._mem, seq, start, -1):

@@ -19,6 +19,7 @@ loaded model (``new_cache(fast=False)``).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -115,6 +116,31 @@ def rollback_cache(config) -> DynamicCache:
 
 
 @dataclass
+@dataclass
+class CacheCopy:
+    """A target cache copied for the prompt store: ``cache`` and its ``nbytes``."""
+
+    cache: object
+    nbytes: int
+
+
+def tensor_bytes(obj, _seen: set | None = None) -> int:
+    """Bytes of the tensors ``obj`` holds (in its attributes, lists, tuples and dicts)."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return tensor_bytes(vars(obj), seen)
+    return 0
+
+
 class TargetCache:
     """KV cache of the target for one sequence on the transformers path, with rollback.
 
@@ -338,6 +364,25 @@ class Target(TokenizerSide):
         return len(self._feature_layer_ids) * self.hidden_size
 
     # -- forward -----------------------------------------------------------------------
+    def save_cache(self, cache) -> "CacheCopy":
+        """A copy of ``cache`` (a static cache is copied at its length, not its capacity)."""
+        if type(cache) is StaticKVCache:
+            n = cache.length
+            copied = StaticKVCache(cache.n_layers, cache.n_kv_heads, cache.head_dim, max(1, n), cache.dtype,
+                                   cache.device)
+            copied.buffer[:, :, :, :n].copy_(cache.buffer[:, :, :, :n])
+            copied.length = n
+        else:
+            copied = copy.deepcopy(cache)
+        return CacheCopy(copied, tensor_bytes(copied))
+
+    def load_cache(self, state: "CacheCopy"):
+        """The cache a :meth:`save_cache` copy holds (each copy is loaded once)."""
+        return state.cache
+
+    def free_cache(self, cache) -> None:
+        """Nothing to give back: a cache is freed when its last reference goes."""
+
     def new_cache(self, capacity: int | None = None, fast: bool | None = None,
                   kv: KVCacheSpec | None = None) -> TargetCache | StaticKVCache | QuantizedKVCache:
         """An empty cache for one sequence.
