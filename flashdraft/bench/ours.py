@@ -126,7 +126,11 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
                        ngram_min=base.ngram_min, draft_dtype=base.draft_dtype, controller=controller_of(name),
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
-                       kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens)
+                       kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens,
+                       # --spec-synth-*: every drafting configuration at that acceptance; the
+                       # baseline stays plain
+                       synth_rates=None if kind == "none" else base.synth_rates,
+                       synth_len=None if kind == "none" else base.synth_len)
     if cfg.spec_type in ("dflash", "hybrid"):
         cfg.draft_model = dflash_drafter_path(base.model, base.draft_model, target)
         if cfg.draft_model is None:
