@@ -307,13 +307,14 @@ class SpeculativeGenerator:
             each draft position is accepted whatever the target says
             (:mod:`flashdraft.synthetic`; the output is then not the model's). None = real verify.
         reproducible_seeds: a seeded request at T > 0 gets plain decoding's tokens for its
-            seed, drafting or not (drafts are the drafter's argmax, as llama-server's); False:
-            drafts are sampled whatever the seed (Leviathan's rule; the same distribution).
+            seed, drafting or not (drafts are the drafter's argmax, as llama-server's; the
+            server turns it on); False: drafts are sampled whatever the seed (Leviathan's
+            rule, which accepts more of a flat distribution; the same distribution).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
                  n_draft: int = 16, controller: ProfitController | None = None, kv: KVCacheSpec | None = None,
-                 synth_accept: list[float] | None = None, reproducible_seeds: bool = True):
+                 synth_accept: list[float] | None = None, reproducible_seeds: bool = False):
         self.target = target
         self.synth_accept = synth_accept
         self.reproducible_seeds = reproducible_seeds
@@ -442,9 +443,10 @@ class Sequence:
         # request's stream, and verify samples the target in order (verify_sampling). Unseeded,
         # drafts are sampled and checked by Leviathan's rule, which accepts more of a flat
         # distribution; both give exactly the target's distribution
-        seeded = params.seed is not None and generator.reproducible_seeds
-        self.draft_params = SamplingParams() if seeded and not params.greedy else params
         self.synth = generator.synth_accept
+        # synthetic acceptance takes the argmax too: rate 0 is then plain decoding's tokens
+        seeded = params.seed is not None and generator.reproducible_seeds or self.synth is not None
+        self.draft_params = SamplingParams() if seeded and not params.greedy else params
         self.coin = random.Random(params.seed) if self.synth is not None else None
         self.eos = set() if r.ignore_eos else target.eos_token_ids
         self.stream = TextStream(target.decode, r.stop)

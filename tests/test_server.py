@@ -532,7 +532,7 @@ def test_seed_guide_command_lines_parse():
     assert (cfg.model, cfg.draft_model, cfg.spec_type, cfg.cross_ctx, cfg.ctx_size, cfg.n_draft) == (
         "/models/target.gguf", "/models/drafter.gguf", "dflash", 1024, 32768, 16)
     assert set(ignored_flags(dflash)) == set(ignored_flags(base)) | {
-        "--spec-draft-ngl all", "--kv-unified", "--cache-ram 0", "--no-mmap", "--mlock", "--no-host"}
+        "--spec-draft-ngl all", "--kv-unified", "--no-mmap", "--mlock", "--no-host"}
 
 
 def test_bad_cache_flags_are_refused_before_binding_or_loading(caplog):

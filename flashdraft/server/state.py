@@ -163,6 +163,7 @@ class ServerState:
     def set_ready(self, generator: SpeculativeGenerator) -> None:
         """Start the worker on ``generator`` and accept requests."""
         self.generator = generator
+        generator.reproducible_seeds = True  # llama-server's rule: a seed gives the same tokens, drafting or not
         mib = self.settings.cache_ram_mib
         if mib != 0 and generator.prompt_store is None and hasattr(generator.target, "save_cache"):
             generator.prompt_store = PromptStore(None if mib < 0 else mib * 2**20)

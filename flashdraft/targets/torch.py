@@ -116,7 +116,6 @@ def rollback_cache(config) -> DynamicCache:
 
 
 @dataclass
-@dataclass
 class CacheCopy:
     """A target cache copied for the prompt store: ``cache`` and its ``nbytes``."""
 
@@ -141,6 +140,7 @@ def tensor_bytes(obj, _seen: set | None = None) -> int:
     return 0
 
 
+@dataclass
 class TargetCache:
     """KV cache of the target for one sequence on the transformers path, with rollback.
 
