@@ -165,13 +165,19 @@ class PromptCache:
         """Leading prompt tokens whose K/V can be reused: the longest common prefix, less
         one when it covers the whole prompt (the last prompt token must run through the
         target to give the first token's logits)."""
-        n = 0
-        for a, b in zip(self.tokens, prompt_ids):
-            if a != b:
-                break
-            n += 1
+        n = shared_prefix(self.tokens, prompt_ids)
         # a cache can hold less than its tokens say: the llama backend evicts idle ones
         return min(n, len(prompt_ids) - 1, getattr(self.cache, "length", n))
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def common_prefix(cached: PromptCache | None, prompt_ids: list[int]) -> int:

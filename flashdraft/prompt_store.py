@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from flashdraft.generate import PromptCache
+from flashdraft.generate import PromptCache, shared_prefix
 
 log = logging.getLogger("flashdraft.prompt_store")
 
@@ -87,7 +87,7 @@ class PromptStore:
             return current
         best, keep_best, sim_best = None, (lcp / n_cur if n_cur else -1.0), lcp / len(prompt_ids)
         for entry in self.entries:
-            n = _common(entry.tokens, prompt_ids)
+            n = shared_prefix(entry.tokens, prompt_ids)
             keep, sim = n / len(entry.tokens), n / len(prompt_ids)
             if keep >= LOAD_MIN_KEEP and keep > keep_best and sim > sim_best:
                 best, keep_best, sim_best = entry, keep, sim
@@ -112,7 +112,7 @@ class PromptStore:
             return
         tokens = current.tokens[:n]
         # a saved prompt this one extends says nothing more: drop it
-        self.entries = [e for e in self.entries if _common(e.tokens, tokens) < len(e.tokens)]
+        self.entries = [e for e in self.entries if shared_prefix(e.tokens, tokens) < len(e.tokens)]
         state = target.save_cache(current.cache)
         size = state.nbytes + int(getattr(drafter_state, "nbytes", 0) or 0)
         if self.limit is not None and size > self.limit:
@@ -124,11 +124,3 @@ class PromptStore:
         log.info("prompt store: saved a prompt of %d tokens (%.1f MiB); %d saved, %.1f MiB", n, size / 2**20,
                  len(self.entries), self.nbytes / 2**20)
 
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
