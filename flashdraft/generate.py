@@ -14,6 +14,7 @@ forward, the server's parallel slots step several with one packed forward
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from dataclasses import dataclass, field, fields
@@ -28,6 +29,8 @@ from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
 from flashdraft.synthetic import verify_synthetic
+
+log = logging.getLogger(__name__)
 from flashdraft.targets.torch import Target
 
 
@@ -84,6 +87,8 @@ class Timings:
     #: ms inside the drafter's ``propose`` (the draft cost; not in the server's ``timings``)
     draft_ms: float = 0.0
     step_hist: list[int] = field(default_factory=list)
+    #: the context was shifted, or the answer ended at the context's end (llama-server's ``truncated``)
+    truncated: bool = False
 
     @property
     def acceptance_length(self) -> float:
@@ -116,6 +121,8 @@ class Timings:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, list):
                 _add_counts(mine, theirs)
+            elif isinstance(mine, bool):
+                setattr(self, f.name, mine or theirs)
             else:
                 setattr(self, f.name, theirs if f.name == "draft_depth_last" else mine + theirs)
 
@@ -278,6 +285,9 @@ class GenerationRequest:
         return_progress: report the prefill's progress (:class:`PromptProgress` on the
             steps, llama-server's ``return_progress``); the prompt is then prefilled in
             chunks (the server's ``-b``) so there is progress to report between them.
+        n_keep: with the generator's :attr:`~SpeculativeGenerator.context_shift`, prompt
+            tokens a shift keeps (-1 = the whole prompt; llama-server's ``n_keep``).
+        n_discard: tokens a shift drops (0 = half of those after ``n_keep``, llama-server's).
     """
 
     prompt_ids: list[int]
@@ -293,6 +303,8 @@ class GenerationRequest:
     constraint: object = None
     client: str | None = None
     return_progress: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 class SpeculativeGenerator:
@@ -316,6 +328,11 @@ class SpeculativeGenerator:
             seed, drafting or not (drafts are the drafter's argmax, as llama-server's; the
             server turns it on); False: drafts are sampled whatever the seed (Leviathan's
             rule, which accepts more of a flat distribution; the same distribution).
+
+    Attributes:
+        context_shift: a sequence that fills the context drops the older half of what it
+            holds after ``n_keep`` tokens and goes on (llama-server's ``--context-shift``;
+            only on a target whose ``can_shift``); False: the answer ends there ("length").
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, ctx_size: int = 4096,
@@ -336,10 +353,23 @@ class SpeculativeGenerator:
         #: host-RAM copies of earlier prompt caches (:class:`flashdraft.prompt_store.PromptStore`,
         #: the server's ``--cache-ram``); None = only the last one is kept
         self.prompt_store = None
+        self.context_shift = False
 
     @property
     def drafting(self) -> bool:
         return not isinstance(self.drafter, NoDrafter)
+
+    def enable_context_shift(self) -> None:
+        """Turn :attr:`context_shift` on (the server's ``--context-shift``).
+
+        Raises:
+            ValueError: the target cannot move cached positions (``can_shift`` False: the
+                torch backend, or a llama.cpp context that cannot shift).
+        """
+        if not self.target.can_shift:
+            raise ValueError(f"--context-shift needs a target whose cached positions can move (the llama backend); "
+                             f"this {self.target.backend} target ends an answer at the context's end")
+        self.context_shift = True
 
     def check_prompt(self, n_prompt: int) -> None:
         """Raises ContextOverflowError when ``n_prompt`` tokens leave no room to answer."""
@@ -455,6 +485,7 @@ class Sequence:
         self.draft_params = SamplingParams() if seeded and not params.greedy else params
         self.coin = random.Random(params.seed) if self.synth is not None else None
         self.eos = set() if r.ignore_eos else target.eos_token_ids
+        self.context_shift = generator.context_shift
         self.stream = TextStream(target.decode, r.stop)
         # committed ids (the last: the anchor), host-side: stops, prompt lookup and the
         # grammar read them; the forward copies only each step's few new ids to the device
@@ -494,6 +525,7 @@ class Sequence:
         self._depth = self._standing = 0
         self._t0 = self._t1 = 0.0
         self._ctrl = None  # the controller that chose this step's depth (per source for a hybrid)
+        self._shifted_off = False  # a context shift took the drafter's context features away
 
     @property
     def done(self) -> bool:
@@ -543,11 +575,15 @@ class Sequence:
                 self._chunk = todo.shape[0]
                 return todo, self.cache, todo.shape[0]
             return todo, self.cache, todo.shape[0] - 1
+        if self.context_shift and self.tokens.shape[0] >= self.ctx_size:
+            self._shift()
         # 2. draft: depth from the controller (or fixed); never past max_tokens (the bonus
-        #    token adds one) or the context
+        #    token adds one) or the context (with context shift, never past the length where
+        #    plain decoding shifts, so both shift at the same token and stay identical)
         t = self.t
         self._depth, self._standing = self._choose_depth()
-        room = min(self._depth, self.max_tokens - t.predicted_n - 1, self.ctx_size - self.tokens.shape[0])
+        room = min(self._depth, self.max_tokens - t.predicted_n - 1,
+                   self.ctx_size - self.tokens.shape[0] - int(self.context_shift))
         self._t0 = time.perf_counter()
         # the constraint goes only to drafters of a constrained request: a drafter written
         # against the older four-argument propose() keeps working everywhere else
@@ -582,7 +618,7 @@ class Sequence:
         step = self._finish_prefill(logits, features) if not self.prefilled else self._finish_verify(logits, features)
         if self.constraint is not None and not step.finish_reason:
             self.constraint.advance(step.token_ids)
-        if step.finish_reason:  # the answer is whole: a drafter may keep it for later requests
+        if step.finish_reason and not self.t.truncated:  # the answer is whole: a drafter may keep it
             self.drafter.finish_request(self.tokens, self.n_prompt)
         if self.request.n_probs and step.token_ids:
             # row i of the forward chose returned token i (prefill: its one row; verify: the
@@ -628,14 +664,17 @@ class Sequence:
         self.cache.rollback(anchor_at + n_acc + 1)
         new = drafts[:n_acc].tolist() + [bonus]
         self.tokens = torch.cat([self.tokens, torch.tensor(new, dtype=torch.long, device=HOST)])
-        self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
+        if not self._shifted_off:
+            self.drafter.commit(anchor_at + n_acc + 1, None if features is None else features[: n_acc + 1])
         if self._ctrl is not None:  # what this depth cost: draft + verify + rollback [s]
             self._ctrl.update(n, n_acc, time.perf_counter() - self._t0)
 
         # 5. stops; count only what is returned
         finish, kept, produced = _emit(self.stream, new, self.eos, self.max_tokens, t)
-        if finish is None and self.tokens.shape[0] >= self.ctx_size:
+        if finish is None and not self.context_shift and self.tokens.shape[0] >= self.ctx_size:
             finish = "length"
+        if finish == "length" and self.tokens.shape[0] >= self.ctx_size:
+            t.truncated = True  # the context is full (a limit capped to it ends here too)
         t.count_step(produced)
         t.draft_depth_sum += self._depth
         t.draft_depth_last = self._standing
@@ -645,6 +684,32 @@ class Sequence:
         self.finish_reason = finish
         return Step(self.stream.delta(finish is not None), kept, finish, t if finish else None,
                     progress=copy.copy(t))
+
+    def _shift(self) -> None:
+        """llama-server's context shift (``--context-shift``): the cache is full, so keep the
+        first ``n_keep`` tokens (+ a BOS), drop the next ``n_discard`` (half of the rest by
+        default) and move the later ones down; the answer goes on with what is left.
+
+        A drafter that copies from the ids (prompt lookup, suffix) re-reads them; one that
+        needs the target's context features (DFlash, the hybrid) keeps the first ``n_keep``
+        positions' context and drafts no more in this answer (the moved positions' features
+        are not recomputed). Either way the tokens are the target's.
+        """
+        r, n_past = self.request, self.tokens.shape[0] - 1  # positions in the cache
+        n_keep = self.n_prompt if r.n_keep < 0 else r.n_keep
+        bos = getattr(self.target.tokenizer, "bos_token_id", None)
+        if bos is not None and int(self.tokens[0]) == bos:
+            n_keep += 1
+        n_keep = min(self.ctx_size - 4, n_keep)
+        n_left = n_past - n_keep
+        n_discard = min(max(r.n_discard or n_left // 2, 0), max(0, n_left - 1))
+        self.cache.shift(n_keep, n_discard)
+        self.tokens = torch.cat([self.tokens[:n_keep], self.tokens[n_keep + n_discard:]])
+        self.t.truncated = True
+        if self.drafter.feature_layer_ids:
+            self.drafter.rewind(n_keep)
+            self._shifted_off = True
+        log.debug("context shift: kept %d, dropped %d of %d cached positions", n_keep, n_discard, n_past)
 
     def _grammar_prefix(self, drafts: list[int]) -> int:
         """Drafts kept under the grammar: those it accepts, through the first end of
@@ -659,7 +724,7 @@ class Sequence:
         """``(depth, standing)``: draft tokens to ask for this step, and the controller's
         standing depth (probes aside); both ``n_draft`` with the controller off, both at most
         ``n_draft`` and the drafter's longest draft, ``(0, 0)`` without a drafter."""
-        if not self.drafting:
+        if not self.drafting or self._shifted_off:
             return 0, 0
         n_draft = self.n_draft
         cap = n_draft if self.drafter.max_draft is None else min(n_draft, self.drafter.max_draft)

@@ -31,8 +31,9 @@ def test_llama_server_flags_parse_and_take_effect(tmp_path):
     assert s.chat_template == ("jinja", tpl.read_text())  # the file wins over --chat-template
     assert (s.slots_endpoint, s.webui, args.verbose) == (False, False, True)
     assert s.cors.origins == ["http://a.test"] and s.tags == ["a", "b"]
+    assert args.context_shift  # a flag of its own now (test_context_shift.py)
     assert set(ignored_flags(args)) == {
-        "--offline", "--context-shift", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
+        "--offline", "--tools all", "--ui-mcp-proxy", "--media-path /tmp",
         "--backend_sampling", "--embedding", "--reranking", "--pooling mean", "--slot-save-path /tmp",
         "--swa-full", "--models-max 4", "--no-models-autoload"}
     assert settings_from_args(build_parser().parse_args(["--no-jinja"])).chat_template == ("builtin", None)

@@ -591,7 +591,7 @@ def test_n_predict_is_the_default_for_requests_without_a_limit_not_a_cap():
     from flashdraft.server.state import ServerSettings, ServerState
 
     state = ServerState(ServerSettings(n_predict=5))
-    state.generator = SimpleNamespace(ctx_size=100, check_prompt=lambda n: None)
+    state.generator = SimpleNamespace(ctx_size=100, check_prompt=lambda n: None, context_shift=False)
 
     def limit(st, prompt, max_tokens):
         return make_job(st, prompt, GenRequest(api="completion", prompts=[""], max_tokens=max_tokens)).max_tokens

@@ -131,6 +131,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "overwrite most of a slot's cache saves it first, and a later request that matches a "
                         "saved prompt better starts from it, so an agent's side request does not cost its "
                         "conversation a full prefill, with one slot too; -1 = no limit, 0 = off (default: 8192)")
+    h.add_argument("--context-shift", dest="context_shift", action="store_true", default=False,
+                   help="when an answer fills its slot's context, drop the older half of what follows the "
+                        "first --keep tokens and go on, as llama-server (llama backend only; the answer is "
+                        "then no longer what one long context would give; drafting stays lossless)")
+    h.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="end the answer at the context's end (default)")
+    h.add_argument("-k", "--keep", type=int, default=0, metavar="N",
+                   help="prompt tokens a context shift keeps (-1 = the whole prompt); a request's n_keep wins "
+                        "(default: 0)")
     h.add_argument("--cors-origins", default="*",
                    help="allowed CORS origins, comma-separated (default: *); 'localhost' allows http(s) origins on "
                         "localhost, 127.0.0.1 and [::1] at any port")
@@ -227,6 +236,7 @@ def settings_from_args(args: argparse.Namespace):
         api_key=api_key, reasoning=args.reasoning, n_parallel=args.parallel,
         batch_size=args.batch_size, webui=args.webui,
         slots_endpoint=args.slots, cache_prompt=args.cache_prompt, cache_ram_mib=args.cache_ram, ignore_eos=args.ignore_eos,
+        n_keep=args.keep,
         chat_template=resolve_template(args.chat_template, args.chat_template_file, args.jinja),
         chat_template_kwargs=kwargs, verbose=args.verbose, sse_ping_interval=args.sse_ping_interval,
         limits=limits.from_args(args),
@@ -311,7 +321,12 @@ def run(args: argparse.Namespace) -> int:
     def load():
         log.info("loading target %s with --spec-type %s, --weights %s, %d thread(s) ...",
                  cfg.model or "(packaged SmolLM2-135M-Instruct)", cfg.spec_type, cfg.weights, torch.get_num_threads())
-        return load_engine(cfg)
+        gen = load_engine(cfg)
+        if args.context_shift:
+            gen.enable_context_shift()
+            log.info("context shift on: a full context drops half of what follows the first %s token(s) and "
+                     "the answer goes on", "prompt" if args.keep < 0 else args.keep)
+        return gen
 
     def on_load_failed(e: BaseException) -> None:
         failed.append(e)

@@ -102,11 +102,13 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
     # the request's limit wins; -n/--n-predict is only the default for requests that give
     # none (llama-server); "none" still ends at the context end (the loop stops there). A
     # limit beyond what the context holds is capped to it, not refused, as llama-server does
-    # (agents ask for max_tokens 32000 whatever the context)
+    # (agents ask for max_tokens 32000 whatever the context). With --context-shift a given
+    # limit stands (the context shifts to make room), and "none" is still one context's worth
     room = gen.ctx_size - len(prompt_ids)
     if max_tokens is None or max_tokens < 0:
         max_tokens = settings.n_predict
-    limit = min(max_tokens, room) if max_tokens is not None and max_tokens > 0 else room
+    given = max_tokens is not None and max_tokens > 0
+    limit = (max_tokens if gen.context_shift else min(max_tokens, room)) if given else room
     params = sampling(req, settings)
     if choice and params.seed is not None:
         params = replace(params, seed=(params.seed + choice) % 2**64)
@@ -118,7 +120,8 @@ def make_job(state, prompt_ids: list[int], req: GenRequest, prompt_param: str = 
                              post_sampling_probs=s.post_sampling_probs,
                              constraint=constraint(req, state, constraint_spec), client=req.client,
                              return_progress=req.stream and req.return_progress,
-                             n_draft=None if req.n_draft is None else min(req.n_draft, gen.n_draft))
+                             n_draft=None if req.n_draft is None else min(req.n_draft, gen.n_draft),
+                             n_keep=settings.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
 
 
 def constraint(req: GenRequest, state, spec: tuple[str, object] | None = None):

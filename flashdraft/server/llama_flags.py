@@ -104,8 +104,6 @@ IGNORED = """
 --defrag-thold -dt : v
 --swa-full : b
 --cache-reuse : v
---context-shift --no-context-shift : b
---keep : v
 --perf --no-perf : b
 --escape -e --no-escape : b
 --log-colors : ?

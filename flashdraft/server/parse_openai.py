@@ -34,6 +34,7 @@ def common(api: str, req: SamplingFields, **fields) -> GenRequest:
                       logit_bias=bias_entries(req.logit_bias), constraint=constraint, constraint_param=param,
                       extra=dict(req.model_extra or {}), timings_per_token=req.timings_per_token,
                       return_progress=req.return_progress, n_draft=req.spec_n_max, wire=req,
+                      n_keep=req.n_keep, n_discard=req.n_discard,
                       **fields)
 
 

@@ -31,7 +31,7 @@ class LlamaRenderer:
                 "stop": True, "model": ctx.model, "tokens_predicted": c.timings.predicted_n,
                 "tokens_evaluated": len(prompt_ids), "generation_settings": settings,
                 "prompt": prompts.decode(prompt_ids, skip_special=False), "has_new_line": "\n" in c.text,
-                "truncated": False, "stop_type": stop_type, "stopping_word": word,
+                "truncated": c.timings.truncated, "stop_type": stop_type, "stopping_word": word,
                 "tokens_cached": c.timings.cache_n, "timings": ctx.timings(c)}
         return self.wire.pick_fields(body)
 

@@ -89,6 +89,7 @@ class GenRequest:
         timings_per_token: llama-server's: every streamed event carries the timings so far.
         return_progress: llama-server's: a stream reports the prefill's progress.
         n_draft: llama-server's ``speculative.n_max``: most draft tokens per step (None = the server's).
+        n_keep / n_discard: llama-server's context shift settings (:class:`GenerationRequest`).
         verbose: llama-server's ``__verbose`` (the prompt as text) in a non-streamed answer.
         wire: the parsed body, for the renderer only (``response_fields``, ``return_tokens``...).
         client: the request's client, a hash of its API key (:mod:`.clients`; None = no
@@ -118,6 +119,8 @@ class GenRequest:
     timings_per_token: bool = False
     return_progress: bool = False
     n_draft: int | None = None
+    n_keep: int | None = None
+    n_discard: int = 0
     verbose: bool = False
     wire: object = None
     client: str | None = None

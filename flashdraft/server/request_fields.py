@@ -16,7 +16,7 @@ HARMLESS = frozenset({
     # OpenAI client metadata
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
     # llama-server knobs that need another field to do anything, or that change no answer here
-    "id_slot", "n_keep", "min_keep", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+    "id_slot", "min_keep", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
     "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold", "repeat_last_n", "penalty_last_n",
     "dynatemp_exponent", "penalize_nl", "samplers", "t_max_prompt_ms",
     # where llama-server samples (on the GPU backend or the CPU): the same distribution either way

@@ -75,6 +75,10 @@ class SamplingFields(_Strict):
     timings_per_token: bool = False
     #: llama-server: a stream reports the prefill's progress (``prompt_progress`` chunks)
     return_progress: bool = False
+    #: llama-server's context shift (``--context-shift``): prompt tokens a shift keeps
+    #: (-1 = the whole prompt) and tokens it drops (0 = half of the rest)
+    n_keep: int | None = Field(None, ge=-1)
+    n_discard: int = Field(0, ge=0)
     #: llama-server's per-request draft settings: ``n_max`` caps the draft tokens per step
     #: (at the server's ``--spec-draft-n-max``); ``n_min`` and ``p_min`` tune how much is
     #: drafted, which verification makes answer-neutral: accepted, the depth controller decides

@@ -72,6 +72,7 @@ class ServerSettings:
         cache_ram_mib: ``--cache-ram``: MiB of host RAM for saved prompt caches
             (:mod:`flashdraft.prompt_store`); -1 = no limit, 0 = none.
         ignore_eos: the default of the request field (``--ignore-eos``).
+        n_keep: ``--keep``: prompt tokens a context shift keeps, for requests that give no ``n_keep``.
         chat_template_kwargs: template variables for every request (``--chat-template-kwargs``).
         cors: CORS answers for browsers on other origins.
         chat_template: ``(kind, value)`` from ``--jinja/--no-jinja/--chat-template(-file)``
@@ -108,6 +109,7 @@ class ServerSettings:
     cache_prompt: bool = True
     cache_ram_mib: int = 0
     ignore_eos: bool = False
+    n_keep: int = 0
     chat_template_kwargs: dict = field(default_factory=dict)
     cors: CorsSettings = field(default_factory=CorsSettings)
     shutdown_grace_s: float = 3.0

@@ -28,6 +28,15 @@ class TargetCache(Protocol):
             ValueError: ``length`` beyond what the cache holds.
         """
 
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift: drop positions ``n_keep .. n_keep + n_discard - 1``
+        and move every later one down by ``n_discard`` (``length`` shrinks by ``n_discard``).
+        Only on a target whose :attr:`Target.can_shift` is True.
+
+        Raises:
+            ValueError: a span outside what the cache holds.
+        """
+
 
 class Target(Protocol):
     """A decoder-only causal LM as the target of speculative decoding, on any backend."""
@@ -37,6 +46,9 @@ class Target(Protocol):
     #: the most threads a one-token step may use and still round as a verify row does (llama:
     #: ``-t`` with the patched ggml, else 1; torch: steps and blocks share torch's threads)
     exact_step_threads: int
+    #: whether :meth:`TargetCache.shift` works (llama: llama.cpp re-rotates the moved keys;
+    #: torch: False, its cached keys keep their rotary positions)
+    can_shift: bool
     name: str
     #: a transformers tokenizer (the same on every backend, so both see the same token ids)
     tokenizer: object

@@ -86,6 +86,22 @@ class LlamaCache:
             target._seq_rm(self.seq_id, length)
         self.length = length
 
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift: drop positions ``n_keep .. n_keep + n_discard - 1``
+        (``llama_memory_seq_rm``) and move the later ones down by ``n_discard``
+        (``llama_memory_seq_add``; llama.cpp re-rotates the moved keys before the next decode).
+
+        Raises:
+            ValueError: a span outside what the cache holds.
+        """
+        if n_keep < 0 or n_discard < 0 or n_keep + n_discard > self.length:
+            raise ValueError(f"cannot shift out {n_discard} positions after {n_keep}: cache holds {self.length}")
+        if self.seq_id is None:
+            raise RuntimeError("this cache was evicted (more live sequences than the context holds)")
+        if n_discard:
+            self._target()._shift(self.seq_id, n_keep, n_discard, self.length)
+        self.length -= n_discard
+
     def _evict(self) -> int:
         """Give up the sequence id (the target needs it for a new cache): length becomes 0, so a
         prompt cache holding this reuses nothing. Returns the id, emptied."""
@@ -489,6 +505,18 @@ class LlamaTarget(TokenizerSide):
             seq = cache._evict()
             self._live.pop(seq, None)
             self._free_seqs.append(seq)
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether llama.cpp can move this context's cached positions (``llama_memory_can_shift``)."""
+        return bool(self._b.api.llama_memory_can_shift(self._mem))
+
+    def _shift(self, seq: int, n_keep: int, n_discard: int, length: int) -> None:
+        with self._lock:
+            api = self._b.api
+            if not api.llama_memory_seq_rm(self._mem, seq, n_keep, n_keep + n_discard):
+                raise RuntimeError(f"llama.cpp could not drop positions {n_keep}..{n_keep + n_discard - 1} of sequence {seq}")
+            api.llama_memory_seq_add(self._mem, seq, n_keep + n_discard, length, -n_discard)
 
     def _seq_rm(self, seq: int, start: int) -> None:
         if not self._b.api.llama_memory_seq_rm(self._mem, seq, start, -1):

@@ -230,6 +230,7 @@ class Target(TokenizerSide):
 
     backend = "torch"
     exact_step_threads = 1  # unused: steps and blocks share torch's threads (set_step_threads)
+    can_shift = False  # cached keys keep their rotary positions: no context shift here
 
     def __init__(self, model, tokenizer, name: str = "model", fast: bool = True, pack: bool | None = None,
                  q4: dict | None = None):
