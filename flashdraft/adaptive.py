@@ -132,6 +132,12 @@ class ProfitController:
         if verify_costs is not None and len(verify_costs) < n_max + 1:
             raise ValueError(f"verify_costs needs {n_max + 1} entries (depths 0..{n_max}), got {len(verify_costs)}")
         self.verify_costs = None if verify_costs is None else list(verify_costs[: n_max + 1])
+        #: with ``verify_costs``: how far past its cut a probe verifies a draft (None = the
+        #: whole draft). A free draft (prompt lookup) is asked for its longest copy every step,
+        #: so a whole-draft probe verifies up to n_max + 1 rows, ≈ 9 steps at 16 on Q4_1, and a
+        #: failed one costs ~6% of a short answer; a few positions past the cut still test the
+        #: confidence bins the cut stops at (engine.drafter_controller sets it for such drafters)
+        self.probe_extra: int | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -324,8 +330,8 @@ class ProfitController:
             return len(confidence)
         if not confidence:
             return 0
-        if self._probing:  # a probe verifies the whole draft: it refreshes bins a cut never tests
-            self._conf = list(confidence)
+        if self._probing and self.probe_extra is None:  # a probe verifies the whole draft:
+            self._conf = list(confidence)  # it refreshes bins a cut never tests
             return len(confidence)
         costs = self.cost_curve()
         sunk = self.overhead[1] - self.overhead[0]  # the draft's own cost, paid already
@@ -337,6 +343,8 @@ class ProfitController:
             v = e / costs[d]
             if v > best_v:
                 best, best_v = d, v
+        if self._probing:  # a short probe: a few positions past the cut test the bins there
+            best = min(len(confidence), best + self.probe_extra)
         if best < len(confidence):
             self.cuts += 1
         self._conf = list(confidence[:best])

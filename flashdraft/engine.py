@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import costs
-from flashdraft.adaptive import CONTROLLERS, make_controller
+from flashdraft.adaptive import CONTROLLERS, ProfitController, make_controller
 from flashdraft.synthetic import accept_probs
 from flashdraft.device import DRAFT_DTYPES, log_device, resolve_device, resolve_draft_dtype
 from flashdraft.fast_forward import QUANT_MAX_ROWS
@@ -45,6 +45,11 @@ DEFAULT_DRAFTER_DIR = DRAFTERS_DIR / "smollm2-135m-instruct-dflash"
 DEFAULT_AR_DRAFTER_DIR = DRAFTERS_DIR / "smollm2-135m-instruct-ar"
 
 
+#: how far past its cut a probe of the cost controller verifies a free draft (prompt lookup;
+#: None = the whole draft): docs/performance.md §15
+FREE_PROBE_EXTRA = 2
+
+
 @dataclass
 class EngineConfig:
     """What to load.
@@ -69,6 +74,10 @@ class EngineConfig:
         ctx_size: positions per sequence (``-c``).
         cross_ctx: DFlash drafter attends to at most this many recent positions.
         ngram_max / ngram_min: n-gram sizes of prompt lookup.
+        ngram_occurrences: latest occurrences of each n-gram prompt lookup chooses among (the
+            best-matching is copied; 1 = the latest, Saxena's rule).
+        probe_extra: cost controller, free drafts: positions a probe verifies past the cut
+            (None = the whole draft).
         cache_type_k / cache_type_v: target KV cache types (``--cache-type-k/-v``).
         cache_type_k_draft / cache_type_v_draft: the DFlash drafter's context cache types.
         kv_sink_tokens / kv_tail_tokens: first / most recent positions kept exact in
@@ -93,6 +102,8 @@ class EngineConfig:
     cross_ctx: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
+    ngram_occurrences: int = 8
+    probe_extra: int | None = FREE_PROBE_EXTRA
     lookup: str = "ngram"
     suffix_cache: int = 256
     suffix_factor: float = 4.0
@@ -349,7 +360,7 @@ def lookup_drafter(cfg: EngineConfig, kind: str) -> Drafter:
     suffix drafter gets a new store of past answers, which the server's slots share (:meth:`Drafter.fork`)."""
     if kind == "suffix":
         return SuffixDrafter(SuffixStore(cfg.suffix_cache), cfg.suffix_factor, cfg.suffix_min_prob)
-    return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.ngram_occurrences)
 
 
 #: ``--spec-type`` -> the loader of its drafter, ``(cfg, target) -> Drafter``: the one list of drafters
@@ -420,7 +431,8 @@ def load_engine_target(cfg: EngineConfig):
                        n_seq=cfg.n_parallel, kv=kv)
 
 
-def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
+def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None,
+                       probe_extra: int | None = FREE_PROBE_EXTRA):
     """The depth controller ``kind`` (``--spec-dm-controller``: ``profit`` | ``off``) for
     ``drafter`` drafting at most ``n_draft`` tokens (and at most the drafter's own
     ``max_draft``); a mixed-source drafter (the hybrid) gets one controller per source.
@@ -428,7 +440,8 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
 
     ``cost`` measures (or reads from its cache) what a target call of 1..n_max+1 rows costs
     on ``target`` (:func:`flashdraft.costs.load_or_measure`): call it after the target's
-    threads are set.
+    threads are set. There a free drafter's probes verify ``probe_extra`` positions past the
+    cut (:attr:`ProfitController.probe_extra`; None = the whole draft).
 
     Raises:
         ValueError: an unknown controller, or ``cost`` without a target.
@@ -443,8 +456,10 @@ def drafter_controller(kind: str, drafter: Drafter, n_draft: int, target=None):
         table = costs.load_or_measure(target, k_max=n_max + 1)
         log.info("%s", table.describe())
         verify_costs = table.verify_seconds(n_max)
-    return make_controller(kind, n_max, drafter.SOURCES, drafter.source_max_draft,
-                           verify_costs)
+    ctrl = make_controller(kind, n_max, drafter.SOURCES, drafter.source_max_draft, verify_costs)
+    if isinstance(ctrl, ProfitController) and verify_costs is not None and drafter.free_drafts:
+        ctrl.probe_extra = probe_extra  # every step's copy is cut; a probe looks just past the cut
+    return ctrl
 
 
 def resolve_ctx_size(args) -> None:
@@ -492,7 +507,7 @@ def load_engine(cfg: EngineConfig, target: Target | None = None, warmup: bool = 
     drafter = load_drafter(cfg, target)
     target.new_cache(capacity=1, kv=kv)  # a type the model cannot use fails here, not per request
     exact_step_threads(target)
-    controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target)
+    controller = drafter_controller(cfg.controller, drafter, cfg.n_draft, target, probe_extra=cfg.probe_extra)
     synth = cfg.synth_accept()
     if synth is not None:
         # a fixed depth: the rates alone set the acceptance, and two runs draft alike

@@ -56,7 +56,9 @@ SEED_PROMPTS: list[str] = [
 
 HUMANEVAL_CHAT_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
-PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random", "json-schema", "edits")
+PROMPT_SET_NAMES = ("seed", "humaneval", "sharegpt-heldout", "random", "json-schema", "edits", "replay")
+#: the ``replay`` set: coding agents' recorded conversations, turn by turn (scripts/make_replay_set.py)
+REPLAY_PROMPTS_PATH = Path(__file__).resolve().parent / "assets" / "replay_prompts.jsonl"
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELDOUT_IDS_PATH = Path(__file__).resolve().parent / "assets" / "sharegpt_heldout_ids.json"
@@ -397,6 +399,24 @@ def load_edits() -> list[dict]:
     return out
 
 
+def load_replay() -> list[dict]:
+    """The ``replay`` set: real coding agents' conversations (aider, Claude Code), recorded
+    against the server, each as its turns in order; turn k's ``messages`` are the whole
+    history so far and begin with turn k-1's, so a later turn measures the prompt cache.
+
+    Returns ``[{"id": "replay/<agent>/<k>", "conversation", "turn", "messages", "prompt"}, ...]``
+    (``prompt``: the last message's text). Raises ``FileNotFoundError`` if the asset is
+    missing, ``ValueError`` for a line without ``messages`` or an int ``turn``.
+    """
+    out = []
+    for n, obj in _jsonl_objects(REPLAY_PROMPTS_PATH):
+        if not (isinstance(obj.get("messages"), list) and isinstance(obj.get("turn"), int)
+                and isinstance(obj.get("conversation"), str)):
+            raise ValueError(f"{REPLAY_PROMPTS_PATH}:{n}: expected messages, conversation and an int turn")
+        out.append(obj)
+    return out
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -411,7 +431,7 @@ def _load_jsonl(path: Path) -> list[dict]:
 
 def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
     """Load a prompt set by name (``seed``, ``humaneval``, ``sharegpt-heldout``, ``random``,
-    ``json-schema``, ``edits``) or path.
+    ``json-schema``, ``edits``, ``replay``) or path (``limit``: items, or conversations of ``replay``).
 
     A path must name an existing ``.jsonl`` file whose lines are ``{"prompt": str, ...}``
     (optional ``id``; an object ``schema`` makes the bench constrain that prompt's answer). Returns a list of dicts with ``id`` and ``prompt`` (plus set-specific
@@ -431,6 +451,10 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
         items = load_json_schema_prompts()
     elif name == "edits":
         items = load_edits()
+    elif name == "replay":  # limit counts conversations: a turn never runs without the ones before it
+        items = load_replay()
+        keep = list(dict.fromkeys(i["conversation"] for i in items))[:limit]
+        return [i for i in items if i["conversation"] in keep]
     elif name.endswith(".jsonl") and Path(name).is_file():
         items = _load_jsonl(Path(name))
     else:

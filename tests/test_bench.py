@@ -24,11 +24,11 @@ from tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [{"id": "p0", "prompt": "t5 t9 t17 t3 t22 t41 t5 t9 t17"}]
 LOCAL_CONFIGS = ["none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
-                 "ngram-standing-cost",
+                 "ngram-standing-cost", "ngram-latest-cost", "ngram-fullprobe-cost",
                  "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                  "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup",
                  "hf-dflash", "hf-draft"]
-RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens",
+RUN_KEYS = {"config", "prompt_set", "prompt_id", "temperature", "repeat", "error", "prompt_tokens", "cached_tokens",
             "completion_tokens", "ttft_ms", "total_ms", "decode_ms", "decode_tokens", "decode_tokens_per_s",
             "decode_source", "finish_reason", "spec", "same_as_baseline", "constrained", "schema_violation",
             "grammar"}

@@ -167,3 +167,21 @@ def test_a_free_lookup_draft_is_asked_for_even_with_drafting_off():
     assert ctl.cut([d.FIRST_CONFIDENCE[-1]] + [d.LATER_CONFIDENCE[-1]] * 6) >= 4  # a 16-token match: copy on
     ctl.calib_passed, ctl.calib_tested = [0.0] * 10, [20.0] * 10  # measured: no copy accepted
     assert ctl.cut([d.FIRST_CONFIDENCE[-1]] + [d.LATER_CONFIDENCE[-1]] * 6) == 0
+
+
+def test_a_probe_of_a_free_draft_verifies_just_past_the_cut():
+    """With ``probe_extra`` a probe verifies the cut plus that many positions (a free draft is
+    asked for its longest copy, so a whole-draft probe costs up to n_max + 1 rows); without,
+    the whole draft; outside probes the cut alone."""
+    from flashdraft.adaptive import ProfitController
+
+    costs = [0.009 * (1 + 0.8 * d) for d in range(9)]  # each row 0.8 of a step: a 0.3 draft never pays
+    ctrl = ProfitController(8, verify_costs=costs)
+    conf = [0.3] * 8
+    assert ctrl.cut(conf) == 0
+    ctrl._probing = True
+    assert ctrl.cut(conf) == 8  # whole draft
+    ctrl.probe_extra = 2
+    assert ctrl.cut(conf) == 2 and ctrl.cut(conf[:1]) == 1
+    ctrl._probing = False
+    assert ctrl.cut(conf) == 0

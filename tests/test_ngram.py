@@ -6,36 +6,47 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from flashdraft.drafters.ngram import NgramDrafter
 from flashdraft.sampling import SamplingParams
 
 
-def scan(seq: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1, cap: int = 16) -> tuple[list[int], int]:
-    """The reference: the latest earlier occurrence of the longest suffix n-gram, by a scan
-    right to left; ``(continuation, match length)``, the length counted back from the
-    occurrence's end while its context equals the sequence's end (at most ``cap``)."""
+def scan(seq: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1, cap: int = 16,
+         occurrences: int = 1) -> tuple[list[int], int]:
+    """The reference: of the ``occurrences`` latest earlier occurrences of the longest suffix
+    n-gram (a scan right to left), the one whose context matches longest, the latest among
+    equals; ``(continuation, match length)``, the length counted back from the occurrence's
+    end while its context equals the sequence's end (at most ``cap``)."""
     L = len(seq)
     for size in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        best, seen = None, 0
         for start in range(L - size - 1, -1, -1):
             if seq[start:start + size] == seq[L - size:]:
                 end, m = start + size - 1, size
                 while m < cap and end - m >= 0 and seq[end - m] == seq[L - 1 - m]:
                     m += 1
-                return seq[start + size:start + size + n], m
+                if best is None or m > best[1]:
+                    best = (seq[start + size:start + size + n], m)
+                seen += 1
+                if seen == occurrences:
+                    break
+        if best is not None:
+            return best
     return [], 0
 
 
-def test_incremental_index_equals_a_scan_through_appends_and_rollbacks():
+@pytest.mark.parametrize("occurrences", [1, 4])
+def test_incremental_index_equals_a_scan_through_appends_and_rollbacks(occurrences):
     rng = random.Random(1)
-    d = NgramDrafter()
+    d = NgramDrafter(occurrences=occurrences)
     for _ in range(30):
         d.reset()
         seq = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
         for _ in range(60):
             draft = d.propose(torch.tensor(seq), 5, SamplingParams(), None)
-            want, m = scan(seq, 5)
+            want, m = scan(seq, 5, occurrences=occurrences)
             assert draft.tokens.tolist() == want
             assert d.last_match_length == m
             if want:
@@ -49,7 +60,22 @@ def test_incremental_index_equals_a_scan_through_appends_and_rollbacks():
                 seq = seq + [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
         # the same drafter handed an unrelated sequence of the same length starts over
         other = [(t + 1) % 6 for t in seq]
-        assert d.propose(torch.tensor(other), 5, SamplingParams(), None).tokens.tolist() == scan(other, 5)[0]
+        assert d.propose(torch.tensor(other), 5, SamplingParams(), None).tokens.tolist() == scan(
+            other, 5, occurrences=occurrences)[0]
+
+
+def test_several_occurrences_copy_the_one_whose_context_matches():
+    """A line shown, then a variant of it, then the line again: the latest "3 4 5" is the
+    variant's; the line's own occurrence matches 8 tokens back and is the copy being made."""
+    line, variant = [1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 3, 4, 5, 60, 70]
+    seq = line + [0] + variant + [0] + line[:5]
+    latest = NgramDrafter().propose(torch.tensor(seq), 4, SamplingParams(), None)
+    best = NgramDrafter(occurrences=8)
+    draft = best.propose(torch.tensor(seq), 4, SamplingParams(), None)
+    assert latest.tokens.tolist() == [60, 70, 0, 1] and draft.tokens.tolist() == [6, 7, 8, 9]
+    assert best.last_match_length == 5 and draft.confidence[0] > latest.confidence[0]
+    with pytest.raises(ValueError, match="occurrences"):
+        NgramDrafter(occurrences=0)
 
 
 def test_longer_matches_are_more_confident():

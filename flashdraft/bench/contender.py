@@ -9,7 +9,7 @@ from flashdraft.sampling import SamplingParams
 
 #: every configuration ``--configs`` accepts, in report order
 ALL_CONFIGS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
-               "ngram-standing-cost",
+               "ngram-standing-cost", "ngram-latest-cost", "ngram-fullprobe-cost",
                "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix", "hybrid-suffix-adaptive", "dflash-gated-adaptive",
                "hybrid-gated-adaptive", "draft", "draft-adaptive", "self-draft", "self-draft-adaptive", "hf", "hf-lookup", "hf-dflash", "hf-draft",
                "llamacpp", "llamacpp-lookup", "llama-server", "llama-server-lookup", "llama-server-dflash",
@@ -32,6 +32,10 @@ DESCRIPTIONS = {
                   "its match length)",
     "ngram-standing-cost": "flashdraft, prompt lookup, cost controller drafting only at its standing depth "
                            "(no per-step cut: the rule before it, for comparison)",
+    "ngram-latest-cost": "flashdraft, ngram-cost copying from each n-gram's latest occurrence (not the "
+                         "best-matching of its 8 latest: the rule before it, for comparison)",
+    "ngram-fullprobe-cost": "flashdraft, ngram-cost whose probes verify the whole copy (not 2 tokens past the "
+                            "cut: the rule before it, for comparison)",
     "hybrid-cost": "flashdraft, hybrid, cost controller (measured verify costs, DFlash drafts cut by confidence)",
     "dflash": "flashdraft, DFlash block-diffusion drafter, fixed draft length",
     "dflash-adaptive": "flashdraft, DFlash drafter with the adaptive draft-length controller",
@@ -69,7 +73,7 @@ def adaptive_base(name: str) -> str | None:
     name = SERVE_DEFAULT if name == "default" else name
     for suffix in ("-adaptive", "-cost"):
         head, sep, rest = name.rpartition(suffix)
-        if sep and not rest and head in ("dflash", "ngram", "ngram-standing", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
+        if sep and not rest and head in ("dflash", "ngram", "ngram-standing", "ngram-latest", "ngram-fullprobe", "hybrid", "suffix", "hybrid-suffix", "dflash-gated",
                                          "hybrid-gated", "draft", "self-draft"):
             return head
     return None
@@ -114,6 +118,9 @@ class BenchPrompt:
         schema: the JSON schema the answer must satisfy (the ``json-schema`` set, or a
             ``.jsonl`` line with a ``schema``); None = free text.
         grammar: ``schema`` compiled for :class:`~flashdraft.constraints.Constraint`.
+        turn: the turn of a multi-turn conversation (the ``replay`` set), None elsewhere. A
+            turn after the first reuses the prompt cache its conversation's previous turn
+            left in the same configuration (``cache_prompt``); a first turn prefills afresh.
     """
 
     id: str
@@ -123,6 +130,14 @@ class BenchPrompt:
     max_tokens: int
     schema: dict | None = None
     grammar: str | None = None
+    turn: int | None = None
+    #: the chat messages of a multi-turn prompt (``replay``), None = one user message, ``text``
+    messages: list | None = None
+
+    @property
+    def cache_prompt(self) -> bool:
+        """Whether this run may start from the prompt cache (a conversation's later turn)."""
+        return self.turn is not None and self.turn > 1
 
 
 class Contender:

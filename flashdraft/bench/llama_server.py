@@ -154,9 +154,10 @@ class LlamaServerProcess:
 
 
 def completion_body(prompt: BenchPrompt, params: SamplingParams) -> dict:
-    """The ``/completion`` request for ``prompt``: its token ids, no prompt cache, the same
-    sampling filters as ours at T > 0 (temperature, top-k, top-p, min-p, seed)."""
-    body = {"prompt": list(prompt.ids), "n_predict": prompt.max_tokens, "cache_prompt": False,
+    """The ``/completion`` request for ``prompt``: its token ids, no prompt cache (but for a
+    conversation's later turn), the same sampling filters as ours at T > 0 (temperature,
+    top-k, top-p, min-p, seed)."""
+    body = {"prompt": list(prompt.ids), "n_predict": prompt.max_tokens, "cache_prompt": prompt.cache_prompt,
             "return_tokens": True, "stream": False, "temperature": params.temperature}
     if not params.greedy:
         body.update(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
@@ -189,7 +190,7 @@ def parse_completion(answer: dict, eos_ids: set[int], decode, wall_ms: float) ->
     gen = Generation(text=decode(ids), token_ids=ids,
                      prompt_tokens=int(answer.get("tokens_evaluated", t.get("prompt_n", 0))),
                      completion_tokens=len(ids), ttft_ms=float(t.get("prompt_ms", 0.0)), total_ms=wall_ms,
-                     finish_reason=finish)
+                     finish_reason=finish, cached_tokens=t.get("cache_n", answer.get("tokens_cached")))
     if t.get("predicted_n") and t.get("predicted_ms"):
         gen.decode_ms, gen.decode_tokens = float(t["predicted_ms"]), int(t["predicted_n"])
         gen.decode_source = "server"

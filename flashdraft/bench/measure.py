@@ -143,6 +143,8 @@ class Generation:
             with ``predicted_ms`` / ``predicted_n`` (``decode_source`` says which).
         grammar: time inside the grammar constraint; None when unconstrained or not
             measurable (a remote server).
+        cached_tokens: prompt tokens taken from the prompt cache instead of prefilled (a
+            conversation's later turn, the ``replay`` set); None when the source does not say.
     """
 
     text: str
@@ -157,6 +159,7 @@ class Generation:
     decode_tokens: int | None = None
     decode_source: str = "client"
     grammar: GrammarCost | None = None
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.decode_ms is None and self.ttft_ms is not None and self.completion_tokens > 1:

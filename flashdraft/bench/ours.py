@@ -21,7 +21,7 @@ from flashdraft.sampling import SamplingParams
 from flashdraft.targets.torch import Target
 
 OURS = ("none", "default", "dflash", "dflash-adaptive", "dflash-cost", "ngram", "ngram-adaptive", "ngram-cost",
-        "ngram-standing-cost",
+        "ngram-standing-cost", "ngram-latest-cost", "ngram-fullprobe-cost",
         "suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive", "hybrid-cost", "hybrid-suffix",
         "hybrid-suffix-adaptive", "dflash-gated-adaptive", "hybrid-gated-adaptive", "draft", "draft-adaptive",
         "self-draft", "self-draft-adaptive")
@@ -71,7 +71,8 @@ class EngineContender(Contender):
         if prompt.grammar is not None:
             constraint = TimedConstraint(TokenizerInfo.for_target(g.target), prompt.grammar)
         t0 = time.perf_counter()
-        for step in g.generate(prompt.ids, prompt.max_tokens, params, constraint=constraint, client=self.client(prompt)):
+        for step in g.generate(prompt.ids, prompt.max_tokens, params, constraint=constraint, client=self.client(prompt),
+                               cache_prompt=prompt.cache_prompt):
             last = time.perf_counter()
             first = first or last  # the first step arrives right after prefill
             ids.extend(step.token_ids)
@@ -80,7 +81,8 @@ class EngineContender(Contender):
         spec = counts_from_timings(timings) if g.drafting and timings is not None else None
         return Generation(text="".join(parts), token_ids=ids, prompt_tokens=len(prompt.ids),
                           completion_tokens=len(ids), ttft_ms=1e3 * (first - t0), total_ms=1e3 * (last - t0),
-                          finish_reason=finish, spec=spec, grammar=None if constraint is None else constraint.cost)
+                          finish_reason=finish, spec=spec, grammar=None if constraint is None else constraint.cost,
+                          cached_tokens=None if timings is None else timings.cache_n)
 
 
 def dflash_drafter_path(model: str | None, drafter: str | None, target=None) -> str | None:
@@ -117,13 +119,18 @@ def build_ours(name: str, base: EngineConfig, target: Target, draft_model: str |
     # ngram-standing: prompt lookup asked for drafts only at the controller's standing depth
     standing = kind == "ngram-standing"
     kind = kind.removesuffix("-standing")
+    # ngram-latest: lookup copying from the latest occurrence; ngram-fullprobe: probes verify
+    # the whole copy (the rules before docs/performance.md §15)
+    occurrences = 1 if kind == "ngram-latest" else base.ngram_occurrences
+    probe_extra = None if kind == "ngram-fullprobe" else base.probe_extra
+    kind = kind.removesuffix("-latest").removesuffix("-fullprobe")
     self_draft = kind == "self-draft"
     kind = "draft" if self_draft else kind
     cfg = EngineConfig(model=base.model, spec_type=kind, lookup=lookup, p_min=p_min, suffix_cache=base.suffix_cache,
                        suffix_factor=base.suffix_factor, suffix_min_prob=base.suffix_min_prob,
                        n_draft=depth or base.n_draft,
                        ctx_size=base.ctx_size, cross_ctx=base.cross_ctx, ngram_max=base.ngram_max,
-                       ngram_min=base.ngram_min, draft_dtype=base.draft_dtype, controller=controller_of(name),
+                       ngram_min=base.ngram_min, ngram_occurrences=occurrences, probe_extra=probe_extra, draft_dtype=base.draft_dtype, controller=controller_of(name),
                        cache_type_k=base.cache_type_k, cache_type_v=base.cache_type_v,
                        cache_type_k_draft=base.cache_type_k_draft, cache_type_v_draft=base.cache_type_v_draft,
                        kv_sink_tokens=base.kv_sink_tokens, kv_tail_tokens=base.kv_tail_tokens,

@@ -86,8 +86,10 @@ class RemoteServer(Contender):
 
     # -- one request ---------------------------------------------------------------------------
     def _body(self, prompt: BenchPrompt, params: SamplingParams) -> dict:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt.text}],
+        body = {"model": self.model, "messages": prompt.messages or [{"role": "user", "content": prompt.text}],
                 "max_tokens": prompt.max_tokens, "temperature": params.temperature, "stream": self.stream}
+        if prompt.turn is not None:  # a conversation: later turns may reuse the server's prompt cache
+            body["cache_prompt"] = prompt.cache_prompt
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if prompt.schema is not None:

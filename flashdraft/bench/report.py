@@ -142,7 +142,7 @@ def run_to_dict(r: RunRecord, baseline: RunRecord | None) -> dict:
     d.update(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens, ttft_ms=g.ttft_ms,
              total_ms=g.total_ms, decode_ms=g.decode_ms, decode_tokens=g.decode_tokens,
              decode_tokens_per_s=g.decode_tokens_per_s, decode_source=g.decode_source,
-             finish_reason=g.finish_reason,
+             finish_reason=g.finish_reason, cached_tokens=g.cached_tokens,
              spec=None if g.spec is None else {**asdict(g.spec), "acceptance_length": g.spec.tau()},
              same_as_baseline=None, grammar=_grammar_dict(g))
     if r.temperature == 0 and baseline is not None and baseline.ok and baseline is not r:

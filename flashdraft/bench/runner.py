@@ -177,7 +177,8 @@ def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, tar
             ids = None
             if target is not None:
                 # a base model: the raw text (HumanEval's bare function header when there is one)
-                ids = target.user_prompt_ids(item["prompt"], item.get("raw_prompt"))
+                ids = (target.chat_prompt_ids(item["messages"]) if "messages" in item
+                       else target.user_prompt_ids(item["prompt"], item.get("raw_prompt")))
             schema = item.get("schema")
             grammar = None
             if schema is not None:
@@ -187,7 +188,8 @@ def load_prompts(sets: list[str], limit: int | None, max_tokens: int | None, tar
                                      f"{', '.join(sorted(unknown))}")
                 grammar = schema_grammar(schema)  # GrammarError is a ValueError naming the fault
             out.append(BenchPrompt(id=item["id"], set=s, text=item["prompt"], ids=ids, max_tokens=n,
-                                   schema=schema, grammar=grammar))
+                                   schema=schema, grammar=grammar, turn=item.get("turn"),
+                                   messages=item.get("messages")))
     if not out:
         raise ValueError("no prompts to run (check --prompts and --limit)")
     return out
@@ -409,6 +411,10 @@ def run(args, target=None) -> int:
             target = load_engine_target(cfg)
         prompts = load_prompts(sets, args.limit, args.max_tokens, target)
         contenders = build_local(names, args, target, explicit=args.configs is not None)
+        if any(p.cache_prompt for p in prompts):
+            # each of our configurations keeps its own prompt cache between a conversation's
+            # turns: room for all of them (and a running one) in the llama context
+            target.ensure_sequences(sum(isinstance(c, Contender) and c.kind == "ours" for c in contenders) + 1)
         asked = {c for p in _split(args.peers or "") for c in PEER_GROUPS[p]}
         missing = [f"{c.name}: {c.reason}" for c in contenders if c.name in asked and isinstance(c, Unavailable)
                    and c.name not in REPORTED_IF_MISSING]

@@ -1,7 +1,9 @@
 """``--spec-type ngram``: prompt-lookup drafting (no model).
 
 Saxena 2023, "Prompt Lookup Decoding": find the most recent earlier occurrence of the
-sequence's last n-gram and propose the tokens that followed it.
+sequence's last n-gram and propose the tokens that followed it. ``--spec-type ngram`` keeps
+the 8 latest occurrences and copies from the one whose context matches the sequence's end
+longest (docs/performance.md §15); the DFlash drafter's seeding keeps Saxena's rule, as trained.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ class NgramDrafter(Drafter):
     it measures, bin by bin, and verifies only the prefix that pays
     (:meth:`flashdraft.adaptive.ProfitController.cut`).
 
+    With ``occurrences > 1`` the drafter keeps that many latest occurrences of each n-gram
+    and copies from the one whose context matches the sequence's end longest (the latest
+    among equals): in a file shown twice, or code that repeats a line with one change, the
+    latest occurrence of a 3-gram is often not the copy being made.
+
     Args:
         max_ngram: longest suffix n-gram to match (tried first).
         min_ngram: shortest suffix n-gram to match.
+        occurrences: latest occurrences of each n-gram kept as candidates (1 = the latest
+            only, Saxena's rule: the DFlash drafter's seeding, as trained).
     Raises:
-        ValueError: unless ``1 <= min_ngram <= max_ngram``.
+        ValueError: unless ``1 <= min_ngram <= max_ngram`` and ``occurrences >= 1``.
     """
 
     name = "ngram"
@@ -50,16 +59,19 @@ class NgramDrafter(Drafter):
     #: P(a later token is accepted | the ones before it were) per bucket
     LATER_CONFIDENCE = (0.69, 0.82, 0.81, 0.89, 0.94, 0.98)
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, occurrences: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if occurrences < 1:
+            raise ValueError(f"need occurrences >= 1, got {occurrences}")
+        self.max_ngram, self.min_ngram, self.occurrences = max_ngram, min_ngram, occurrences
         self.reset()
 
     def reset(self) -> None:
         self._known = torch.empty(0, dtype=torch.long, device=HOST)  # the tokens indexed so far
         self._ids: list[int] = []
-        self._last_end: dict[int, dict[tuple, int]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
+        # n-gram -> ends of its latest occurrences (oldest first, at most self.occurrences)
+        self._ends: dict[int, dict[tuple, list[int]]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
         self._indexed = 0  # n-grams ending at positions < this are in _last_end
         #: tokens of context the last draft's occurrence shared with the sequence's end (0: none)
         self.last_match_length = 0
@@ -74,27 +86,35 @@ class NgramDrafter(Drafter):
             n = 0
         self._ids.extend(tokens[n:].tolist())
         self._known = tokens.clone()
-        ids, tables = self._ids, self._last_end
+        ids, tables, keep = self._ids, self._ends, self.occurrences
         for p in range(self._indexed, len(ids) - 1):
             for s, table in tables.items():
                 if p - s + 1 >= 0:
-                    table[tuple(ids[p - s + 1:p + 1])] = p
+                    ends = table.setdefault(tuple(ids[p - s + 1:p + 1]), [])
+                    ends.append(p)
+                    if len(ends) > keep:
+                        del ends[0]
         self._indexed = max(self._indexed, len(ids) - 1)
 
     def propose(self, tokens: torch.Tensor, n: int, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Draft:
         """Up to ``n`` tokens that followed the latest earlier occurrence of the longest
-        suffix n-gram of ``tokens [L]`` that occurred before; empty where none did."""
+        suffix n-gram of ``tokens [L]`` that occurred before (of its kept occurrences, the
+        one whose context matches longest); empty where none did."""
         self._sync(tokens)
         ids, L = self._ids, len(self._ids)
         self.last_match_length = 0
         for size in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            end = self._last_end[size].get(tuple(ids[L - size:]))
-            if end is not None:
+            ends = self._ends[size].get(tuple(ids[L - size:]))
+            if ends:
+                end, m = -1, 0
+                for e in reversed(ends):  # latest first: an earlier one must match longer to win
+                    k = size  # how far back this occurrence's context goes on matching
+                    while k < self.MATCH_CAP and e - k >= 0 and ids[e - k] == ids[L - 1 - k]:
+                        k += 1
+                    if k > m:
+                        end, m = e, k
                 follow = ids[end + 1:end + 1 + n]
-                m = size  # how far back the occurrence's context goes on matching
-                while m < self.MATCH_CAP and end - m >= 0 and ids[end - m] == ids[L - 1 - m]:
-                    m += 1
                 self.last_match_length = m
                 k = next((i for i, top in enumerate(self.MATCH_BUCKETS) if m <= top), len(self.MATCH_BUCKETS))
                 conf = [self.FIRST_CONFIDENCE[k]] + [self.LATER_CONFIDENCE[k]] * (len(follow) - 1)
