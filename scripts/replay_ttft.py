@@ -24,7 +24,7 @@ def main(path: str) -> None:
         ttft[(r["config"], conv, int(turn))].append(r["ttft_ms"])
         cached[(r["config"], conv, int(turn))] = r.get("cached_tokens")
         tokens[(conv, int(turn))] = r["prompt_tokens"]
-    print(f"{path}: TTFT ms, median over passes; in brackets ÷ the conversation's first turn, "c" the prompt tokens from the cache\n")
+    print(f"{path}: TTFT ms, median over passes; in brackets ÷ the conversation's first turn, c = the prompt tokens from the cache\n")
     convs = sorted({(c, t) for _, c, t in ttft})
     print("| config | " + " | ".join(f"{c} turn {t} ({tokens[(c, t)]} tok)" for c, t in convs) + " |")
     print("| --- |" + " --- |" * len(convs))
