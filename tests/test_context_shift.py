@@ -4,18 +4,15 @@ plain decoding's tokens, because drafts never cross the length where plain decod
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 from inproc import serve
+from test_llama_backend import _need_binding
 from tiny import tiny_target
 
 from flashdraft.engine import EngineConfig, load_drafter
 from flashdraft.generate import GenerationRequest, SpeculativeGenerator
 from flashdraft.sampling import SamplingParams
-from flashdraft.targets import binding as binding_mod
-from flashdraft.targets.binding import BindingUnavailableError
 
 CTX = 96  # per sequence: a 35-token prompt fills it after ~60 tokens of answer
 N = 200   # tokens asked for: two shifts or more
@@ -23,12 +20,7 @@ N = 200   # tokens asked for: two shifts or more
 
 @pytest.fixture(scope="module")
 def real_llama():
-    try:
-        binding_mod.binding()
-    except BindingUnavailableError as e:
-        if os.environ.get("FLASHDRAFT_REQUIRE_LLAMA") == "1":
-            raise
-        pytest.skip(f"llama backend unavailable: {e}")
+    _need_binding()  # skipped without llama.cpp, but where CI requires it
     from flashdraft.targets.llama import LlamaTarget
     from flashdraft.targets.torch import default_model_path
 
