@@ -29,9 +29,9 @@ from flashdraft.kv_cache import KVCacheSpec
 from flashdraft.sampling import SamplingParams, choose_token, filtered_probs, verify_greedy, verify_sampling
 from flashdraft.stops import TextStream
 from flashdraft.synthetic import verify_synthetic
+from flashdraft.targets.torch import Target
 
 log = logging.getLogger(__name__)
-from flashdraft.targets.torch import Target
 
 
 class ContextOverflowError(ValueError):

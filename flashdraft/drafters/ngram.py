@@ -72,7 +72,7 @@ class NgramDrafter(Drafter):
         self._ids: list[int] = []
         # n-gram -> ends of its latest occurrences (oldest first, at most self.occurrences)
         self._ends: dict[int, dict[tuple, list[int]]] = {s: {} for s in range(self.min_ngram, self.max_ngram + 1)}
-        self._indexed = 0  # n-grams ending at positions < this are in _last_end
+        self._indexed = 0  # n-grams ending at positions < this are in _ends
         #: tokens of context the last draft's occurrence shared with the sequence's end (0: none)
         self.last_match_length = 0
 
